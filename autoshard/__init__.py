@@ -1,0 +1,12 @@
+"""autoshard: plan and run sharded PyTorch training from one ILP.
+
+    plan = autoshard.plan(model, cluster, example_inputs)          # no process group needed
+    dist_model = autoshard.compile(model, cluster, example_inputs)  # inside torch.distributed
+"""
+
+from autoshard import errors
+from autoshard.api import compile, plan, trace
+from autoshard.cluster import Cluster, DeviceSpec, LinkSpec
+from autoshard.plan import Plan
+
+__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "Plan", "compile", "plan", "trace", "errors"]

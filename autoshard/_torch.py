@@ -1,0 +1,91 @@
+"""The one place autoshard touches private torch APIs (supported: torch 2.13.x).
+
+A torch upgrade that moves any of these is a change to this file alone; tests/test_torch_adapter.py
+checks each name resolves on the installed version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # noqa: F401
+from torch._functorch._aot_autograd.descriptors import (  # noqa: F401
+    BufferAOTInput,
+    GradAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
+from torch._functorch.partitioners import default_partition  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
+from torch.distributed.tensor._op_schema import (  # noqa: F401
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TupleStrategy,
+)
+from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: F401
+    _ShardingPlaceholder as ShardingPlaceholder,
+    register_single_dim_strategy,
+)
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
+from torch.utils import flop_counter
+
+__all__ = [
+    "aot_export_joint_with_descriptors", "default_partition", "FakeTensorMode", "DTensorSpec",
+    "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "TupleStrategy", "RuntimeSchemaInfo",
+    "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "sharding_propagator",
+    "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
+]
+
+
+def sharding_propagator():
+    """DTensor's registry of per-op sharding rules (strategy functions and single-dim rules)."""
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def planning_mesh(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh for planning only: no process group, no backend, any world size."""
+    ranks = torch.arange(int(torch.tensor(mesh_shape).prod().item())).view(mesh_shape)
+    return DeviceMesh("cpu", ranks, mesh_dim_names=mesh_dim_names, _init_backend=False, _rank=0)
+
+
+def flop_formula(op) -> Callable[..., int] | None:
+    """torch.utils.flop_counter's formula for an op overload (called with shapes), if any."""
+    reg = flop_counter.flop_registry
+    return reg.get(op) or reg.get(getattr(op, "overloadpacket", None))
+
+
+def register_flop_formula(ops, fn) -> None:
+    """Idempotent: re-importing a rules module must not fail on an existing formula."""
+    if all(op in flop_counter.flop_registry for op in ops):
+        return
+    flop_counter.register_flop_formula(ops)(fn)
+
+
+sdpa_flop_count = flop_counter.sdpa_flop_count
+sdpa_backward_flop_count = flop_counter.sdpa_backward_flop_count
+
+
+def is_data_dependent_error(exc: BaseException) -> bool:
+    """Errors fake-tensor tracing raises when Python control flow depends on tensor data."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+    return isinstance(exc, kinds) or "data-dependent" in str(exc).lower()
+
+
+@contextlib.contextmanager
+def joint_export(model: torch.nn.Module, args: tuple[Any, ...]):
+    """Joint fwd+bwd export with parameter/gradient descriptors (the ExitStack keeps the
+    export's contexts alive while the caller reads the graph)."""
+    with contextlib.ExitStack() as stack:
+        yield aot_export_joint_with_descriptors(stack, model, args)

@@ -1,0 +1,179 @@
+"""Public entry points: trace, plan, compile."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from autoshard import _torch, costmodel
+from autoshard.cluster import Cluster
+from autoshard.errors import ClusterError, PlanMismatchError, TraceError
+from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
+from autoshard.passes.rewrite import local_joint, split
+from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
+from autoshard.passes.trace import TracedModel, trace as _trace
+from autoshard.plan import NodeDecision, Plan
+from autoshard.runtime import DistributedModule
+from autoshard.solver.formulation import formulate
+from autoshard.solver.solve import solve
+
+OPTIMIZER_STATE_PER_PARAM_BYTE = 2.0  # Adam/AdamW: two moments in the parameter's dtype
+
+
+def trace(model: nn.Module, example_inputs) -> TracedModel:
+    """Trace once (joint fwd+bwd graph on fake tensors), then plan for many clusters."""
+    traced = _trace(model, tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,))
+    annotate(traced.gm)
+    return traced
+
+
+def _pl(p) -> str:
+    return "(" + ",".join(placement_str(x) for x in p) + ")"
+
+
+def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool):
+    traced = model_or_traced if isinstance(model_or_traced, TracedModel) else trace(model_or_traced, example_inputs)
+    mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
+    fallbacks = find_strategies(traced.gm, mesh, strict=strict)
+    return traced, fallbacks
+
+
+def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | None = None,
+         strict: bool = False, time_limit: float = 120.0) -> Plan:
+    """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
+    :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch."""
+    t0 = time.perf_counter()
+    traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
+    t1 = time.perf_counter()
+    problem = formulate(traced, cluster, constraints)
+    solution = solve(problem, cluster, time_limit=time_limit)
+    result = _make_plan(traced, cluster, problem, solution, fallbacks)
+    result.stats = {"strategies_s": t1 - t0, "solve_s": solution.solve_time, "total_s": time.perf_counter() - t0}
+    return result
+
+
+def _make_plan(traced, cluster, problem, solution, fallbacks) -> Plan:
+    choice = {n: n.meta[META_KEY].strategies[s] for n, s in solution.choice.items()}
+    comm: dict[str, list[dict]] = {}
+    for e in problem.edges:
+        src = choice[e.src].outputs[e.src_out]
+        dst = e.fixed if e.dst is None else e.dst_in[solution.choice[e.dst]]
+        where = "output" if e.dst is None else e.dst.name
+        for c in costmodel.resharding(cluster, src, dst, e.nbytes):
+            comm.setdefault(where, []).append({"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time})
+    nodes, compute = [], 0.0
+    for n, s in choice.items():
+        t = problem.cost[n][solution.choice[n]]
+        compute += t
+        nodes.append(NodeDecision(n.name, str(n.target) if n.op == "call_function" else n.op, str(s), t,
+                                  n.meta[COST_KEY].phase, comm.get(n.name, [])))
+    if "output" in comm:
+        nodes.append(NodeDecision("output", "output", "->(R)", 0.0, "fwd", comm["output"]))
+    comm_time = sum(c["time"] for cs in comm.values() for c in cs)
+    memory = _memory(traced, choice, cluster)
+    return Plan(
+        fingerprint=traced.fingerprint, cluster=cluster.to_json(), mesh_shape=tuple(cluster.mesh_shape),
+        mesh_dim_names=tuple(cluster.mesh_dim_names), nodes=nodes,
+        storage={name: _pl(choice[node].outputs[0]) for name, node in traced.params},
+        inputs=[_pl(choice[node].outputs[0]) for node in traced.inputs],
+        step_time=compute + comm_time, compute_time=compute, comm_time=comm_time,
+        peak_memory=sum(memory.values()), memory=memory, fallbacks=[tuple(f) for f in fallbacks],
+        solver={"status": solution.status, "objective": solution.objective, "bound": solution.bound,
+                "gap": solution.gap, "time": solution.solve_time, "backend": solution.backend,
+                "variables": solution.num_variables, "constraints": solution.num_constraints})
+
+
+def _memory(traced, choice, cluster) -> dict[str, float]:
+    """Per-device bytes: parameters, gradients and Adam state by storage placement, plus forward
+    activations that backward reads (by their placement) and the inputs."""
+    mesh = cluster.mesh_shape
+    local = lambda node, k=0: costmodel.local_bytes(  # noqa: E731
+        costmodel.tensor_nbytes(_val(node, k)), choice[node].outputs[k], mesh)
+    params = sum(local(node) for _, node in traced.params)
+    saved = 0.0
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_function" or node.meta[COST_KEY].phase != "fwd" or node.meta[META_KEY].alias_of is not None:
+            continue
+        users = [u for u in node.users if u.op == "call_function"]
+        used_in_bwd = any(u.meta[COST_KEY].phase == "bwd" or (u.meta[META_KEY].alias_of is not None and any(
+            w.op == "call_function" and w.meta[COST_KEY].phase == "bwd" for w in u.users)) for u in users)
+        if used_in_bwd and costmodel.tensor_nbytes(_val(node, 0)) > 0:
+            outs = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+            saved += sum(local(node, k) for k, v in enumerate(outs) if isinstance(v, torch.Tensor))
+    inputs = sum(local(node) for node in traced.inputs)
+    return {"params": params, "grads": params, "optimizer": params * OPTIMIZER_STATE_PER_PARAM_BYTE,
+            "activations": saved, "inputs": inputs}
+
+
+def _val(node, k):
+    v = node.meta["val"]
+    return v[k] if isinstance(v, (tuple, list)) else v
+
+
+def _choice_from_plan(traced, the_plan: Plan) -> dict:
+    by_name = {n.name: n.strategy for n in the_plan.nodes}
+    choice = {}
+    for node in traced.gm.graph.nodes:
+        ns = node.meta.get(META_KEY)
+        if ns is None or ns.alias_of is not None:
+            continue
+        want = by_name.get(node.name)
+        match = [s for s in ns.strategies if str(s) == want]
+        if not match:
+            raise PlanMismatchError(f"the plan's strategy for {node.name} ({want}) is not valid for this model")
+        choice[node] = match[0]
+    return choice
+
+
+def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: dict | None = None,
+            plan: Plan | None = None, strict: bool = False, time_limit: float = 120.0) -> DistributedModule:
+    """Plan (unless ``plan`` is given) and build this rank's module. Call on every rank of an
+    initialized process group whose world size is ``cluster.world_size``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ClusterError("autoshard.compile needs an initialized process group (torch.distributed."
+                           "init_process_group, or launch with torchrun); use autoshard.plan to plan without one")
+    if dist.get_world_size() != cluster.world_size:
+        raise ClusterError(f"the cluster has {cluster.world_size} devices (mesh {tuple(cluster.mesh_shape)}) but the "
+                           f"process group has world size {dist.get_world_size()}; make them match")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise TraceError("autoshard.compile needs the model's parameter values; a model on 'meta' can be planned "
+                         "(autoshard.plan) but must be materialized (e.g. to_empty + init) before compile")
+    traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
+    if plan is None:
+        problem = formulate(traced, cluster, constraints)
+        plan = _make_plan(traced, cluster, problem, solve(problem, cluster, time_limit=time_limit), fallbacks)
+    else:
+        plan.check_matches(traced.fingerprint, cluster.to_json())
+    choice = _choice_from_plan(traced, plan)
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    mesh = torch.distributed.device_mesh.init_device_mesh(device_type, tuple(cluster.mesh_shape),
+                                                          mesh_dim_names=tuple(cluster.mesh_dim_names))
+    rep = [Replicate()] * mesh.ndim
+
+    def distribute(full: torch.Tensor, placements) -> DTensor:
+        full = full.detach().to(device).clone()
+        dist.broadcast(full, src=0)  # every rank starts from rank 0's values, as DDP does
+        return DTensor.from_local(full, mesh, rep, run_check=False).redistribute(mesh, placements)
+
+    named = dict(model.named_parameters())
+    named_buffers = dict(model.named_buffers())
+    params = {name: distribute(named[name], choice[node].outputs[0]) for name, node in traced.params}
+    buffers = {name: distribute(named_buffers[name], rep).to_local() for name, _ in traced.buffers}
+    input_pl = [choice[node].outputs[0] for node in traced.inputs]
+    local_primals = [p.to_local() for p in params.values()] + list(buffers.values())
+    for node, pl in zip(traced.inputs, input_pl):
+        val = node.meta["val"]
+        shape = list(val.shape)
+        for p, m in zip(pl, mesh.shape):
+            if not isinstance(p, Replicate):
+                shape[p.dim] //= m
+        local_primals.append(torch.zeros(shape, dtype=val.dtype, device=device))
+    joint, n_out = local_joint(traced, choice, mesh, local_primals)
+    fw, bw = split(joint, n_out)
+    return DistributedModule(plan, mesh, fw, bw, n_out, params, buffers, input_pl, traced.input_meta)

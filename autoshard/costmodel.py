@@ -1,0 +1,99 @@
+"""Costs of a strategy and of a resharding, from the node's annotations and the Cluster.
+
+compute(node, strategy) = cluster.compute_time(flops / shards, bytes / shards, dtype): the op
+runs on its local shard, split over the ranks of every mesh dim where any of its tensors is not
+replicated (a replicated mesh dim repeats the whole op on each rank).
+
+resharding(src -> dst) walks the mesh dims; on dim d the local tensor (the global one divided by
+the shards of the *other* dims) moves by one collective (ring formulas in cluster.py):
+
+    Partial -> Replicate   all-reduce       Shard -> Replicate   all-gather
+    Partial -> Shard       reduce-scatter   Shard(i) -> Shard(j) all-to-all
+    Replicate -> Shard / Partial, and unchanged placements: local, free
+
+Multi-dim resharding is the sum over the dims it touches (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoshard.passes.annotate import META_KEY as COST_KEY
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str          # all_reduce | all_gather | reduce_scatter | all_to_all
+    mesh_dim: int
+    nbytes: float      # the collective's n (REFERENCE.md conventions)
+    time: float
+
+
+def _shard_factor(placements, mesh_shape, skip: int) -> int:
+    f = 1
+    for d, (p, m) in enumerate(zip(placements, mesh_shape)):
+        if d != skip and isinstance(p, Shard):
+            f *= m
+    return f
+
+
+def resharding(cluster, src, dst, nbytes: float) -> list[Collective]:
+    """Collectives that turn placements ``src`` into ``dst`` for a tensor of ``nbytes`` (global)."""
+    out = []
+    if src is None or dst is None:
+        return out
+    for d, (a, b) in enumerate(zip(src, dst)):
+        if a == b or isinstance(a, Replicate):
+            continue
+        n = nbytes / max(_shard_factor(src, cluster.mesh_shape, d), _shard_factor(dst, cluster.mesh_shape, d))
+        if isinstance(a, Partial):
+            kind = "all_reduce" if isinstance(b, Replicate) else "reduce_scatter" if isinstance(b, Shard) else None
+        elif isinstance(a, Shard):
+            kind = "all_gather" if not isinstance(b, Shard) else "all_to_all"
+        else:
+            kind = "all_gather"
+        if kind is None:
+            continue
+        out.append(Collective(kind, d, n, cluster.collective_time(kind, n, d)))
+    return out
+
+
+def resharding_time(cluster, src, dst, nbytes: float) -> float:
+    return sum(c.time for c in resharding(cluster, src, dst, nbytes))
+
+
+_CACHE: dict = {}
+_CLUSTER = [None]
+
+
+def set_resharding_cluster(cluster) -> None:
+    """Select the cluster whose resharding times resharding_time_cached memoizes."""
+    if _CLUSTER[0] is not cluster:
+        _CLUSTER[0] = cluster
+        _CACHE.clear()
+
+
+def resharding_time_cached(src, dst, nbytes: float) -> float:
+    key = (src, dst, nbytes)
+    if key not in _CACHE:
+        _CACHE[key] = resharding_time(_CLUSTER[0], src, dst, nbytes)
+    return _CACHE[key]
+
+
+def compute_time(cluster, node, strategy) -> float:
+    cost = node.meta.get(COST_KEY)
+    if cost is None or (cost.flops == 0 and cost.bytes == 0):
+        return 0.0
+    return cluster.compute_time(cost.flops / strategy.shards, cost.bytes / strategy.shards, cost.dtype)
+
+
+def local_bytes(nbytes: float, placements, mesh_shape) -> float:
+    """Bytes one rank holds of a tensor with these placements (Partial holds a full copy)."""
+    return nbytes / _shard_factor(placements, mesh_shape, -1) if placements is not None else nbytes
+
+
+def tensor_nbytes(val) -> float:
+    return float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0

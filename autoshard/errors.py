@@ -1,0 +1,55 @@
+"""Typed errors. Every failure a user can cause says what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class AutoshardError(Exception):
+    """Base class of every error autoshard raises on purpose."""
+
+
+class TraceError(AutoshardError):
+    """The model could not be traced to a joint forward+backward ATen graph
+    (data-dependent Python control flow, an unsupported construct, ...)."""
+
+
+class NoShardingRuleError(AutoshardError):
+    """An op has no sharding rule (raised under ``strict=True``; otherwise the op is
+    planned replicated and listed in ``plan.fallbacks``)."""
+
+
+class ClusterError(AutoshardError, ValueError):
+    """The cluster description is invalid or does not match the process group."""
+
+
+class ConstraintError(AutoshardError, ValueError):
+    """A user constraint is malformed or names nothing in the model."""
+
+
+class InfeasibleError(AutoshardError):
+    """No plan satisfies the constraints and memory limit.
+
+    ``min_memory`` is the smallest per-device memory limit (bytes) under which a plan
+    exists, when the solver could establish it, else ``None``.
+    """
+
+    def __init__(self, message: str, *, min_memory: float | None = None):
+        super().__init__(message)
+        self.min_memory = min_memory
+
+
+class SolverError(AutoshardError):
+    """The ILP solver failed for a reason other than infeasibility (time limit with no
+    solution, backend unavailable)."""
+
+
+class PlanError(AutoshardError, ValueError):
+    """A plan file is corrupt or of an unknown schema version."""
+
+
+class PlanMismatchError(PlanError):
+    """A plan was made for another model, cluster or world size."""
+
+
+class RuntimeMismatchError(AutoshardError, ValueError):
+    """Inputs given to a compiled module do not match what its plan expects
+    (shape, dtype, world size)."""

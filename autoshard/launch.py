@@ -1,0 +1,167 @@
+"""Run a function on N local processes joined in a torch.distributed process group.
+
+Used by the tests, the demo and the benchmarks. A rank that raises, dies or hangs never
+hangs the caller: every child is reaped and :class:`DistributedRunError` says which rank
+failed and why. Example::
+
+    import torch, torch.distributed as dist
+    from autoshard.launch import run_local
+
+    def job(scale):                     # module level, so spawn children can import it
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        return scale * t.item()
+
+    if __name__ == "__main__":
+        assert run_local(job, 2, 10.0) == [30.0, 30.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+from autoshard.errors import AutoshardError
+
+__all__ = ["DistributedRunError", "free_port", "run_local"]
+
+
+class DistributedRunError(AutoshardError, RuntimeError):
+    """A rank of :func:`run_local` raised, died or did not finish in time. ``errors`` maps
+    each failing rank to its traceback (or cause); ``missing`` lists ranks that had not
+    reported when the job was torn down."""
+
+    def __init__(self, message: str, errors: dict[int, str], missing: list[int]):
+        super().__init__(message)
+        self.errors, self.missing = errors, missing
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, backend, pg_timeout, q, fn, args):
+    status, payload, inited = "init_error", "", False
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout))
+        inited, status = True, "error"
+        payload = pickle.dumps(fn(*args))  # pickled here so an unpicklable result is an error
+        status = "ok"
+    except BaseException:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are reported too
+        payload = traceback.format_exc()
+    finally:
+        q.put((rank, status, payload))
+        if inited:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """Set env vars while children are spawned (they read e.g. OMP_NUM_THREADS at import)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _reap(procs, grace: float = 3.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10.0)
+
+
+def _collect(procs, q, deadline):
+    """Read reports until all ranks succeeded, one failed, one died silently, or deadline."""
+    results, errors, dead_since = {}, {}, {}
+    while len(results) < len(procs) and not errors:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        try:
+            rank, status, payload = q.get(timeout=min(0.1, deadline - now))
+        except queue.Empty:
+            for r, p in enumerate(procs):  # exited without a report (after a grace for in-flight data)
+                if r not in results and p.exitcode is not None:
+                    if now - dead_since.setdefault(r, now) > 1.0:
+                        errors[r] = ("died", f"process exited with code {p.exitcode} without reporting")
+            continue
+        if status == "ok":
+            results[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = (status, payload)
+    return results, errors
+
+
+def run_local(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
+              pg_timeout: float = 120.0, env: dict[str, str] | None = None) -> list:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks; return their results by rank.
+
+    ``fn`` must be a picklable module-level function; the rank is
+    ``torch.distributed.get_rank()``. ``timeout`` bounds the whole job, ``pg_timeout`` each
+    collective. Raises DistributedRunError on any failure, after reaping every child.
+    """
+    ctx = mp.get_context("spawn")
+    deadline = time.monotonic() + timeout
+    for attempt in range(2):
+        port, q, procs = free_port(), ctx.Queue(), []
+        try:
+            for rank in range(world_size):
+                child_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                             "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                             "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **(env or {})}
+                p = ctx.Process(target=_worker, args=(rank, world_size, backend, pg_timeout, q, fn, args),
+                                name=f"autoshard-rank{rank}", daemon=True)
+                with _environ(child_env):
+                    p.start()
+                procs.append(p)
+            results, errors = _collect(procs, q, deadline)
+            if not errors and len(results) == world_size:
+                for p in procs:  # all reported: they exit on their own, stragglers get reaped
+                    p.join(max(0.1, min(10.0, deadline - time.monotonic())))
+                return [results[r] for r in range(world_size)]
+        finally:
+            _reap(procs)
+            q.close()
+        in_use = [e for s, e in errors.values() if s == "init_error" and
+                  ("EADDRINUSE" in e or "address already in use" in e.lower())]
+        if not (attempt == 0 and in_use):
+            break
+    missing = [r for r in range(world_size) if r not in results and r not in errors]
+    name = getattr(fn, "__qualname__", repr(fn))
+    lines = [f"run_local({name}, world_size={world_size}) failed:"]
+    for r, (status, text) in sorted(errors.items()):
+        what = {"init_error": "failed in init_process_group", "died": "died"}.get(status, "raised")
+        lines.append(f"--- rank {r} {what}:\n{text.rstrip()}")
+    if missing:
+        why = f"timed out after {timeout:g}s" if not errors else "were terminated"
+        lines.append(f"--- ranks {missing} had not reported ({why})")
+    raise DistributedRunError("\n".join(lines), {r: t for r, (_, t) in errors.items()}, missing)

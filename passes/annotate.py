@@ -1,0 +1,93 @@
+"""annotate: FLOPs, bytes moved and output bytes of every node, and its phase.
+
+Records an :class:`OpCost` under ``node.meta["autoshard.cost"]``. FLOPs come from
+``torch.utils.flop_counter``'s formulas (autoshard registers the ones torch lacks, e.g. the CPU
+flash-attention kernels, in ``passes/rules``); bytes are the global sizes of the op's tensor
+inputs and outputs (a roofline's memory traffic); views, getitem and other aliasing ops cost
+nothing. Costs are global: a strategy divides them by its shard count.
+
+Example::
+
+    >>> annotate(traced)
+    >>> mm = traced.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default)[0]
+    >>> mm.meta["autoshard.cost"].flops        # 2 * M * K * N
+    2097152
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autoshard import _torch
+
+META_KEY = "autoshard.cost"
+
+
+@dataclass(frozen=True)
+class OpCost:
+    flops: float          # global FLOPs of the op
+    bytes: float          # global bytes read + written (0 for views)
+    out_bytes: float      # bytes of the op's outputs
+    phase: str            # "fwd" | "bwd" | "input"
+    dtype: torch.dtype    # compute dtype (of the largest output)
+
+
+def tensor_bytes(val) -> float:
+    return float(sum(t.numel() * t.element_size() for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)))
+
+
+def _is_free(node: fx.Node) -> bool:
+    """Ops that alias their input or move no data."""
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    if node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        return True
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _flops(node: fx.Node) -> float:
+    formula = _torch.flop_formula(node.target)
+    if formula is None:
+        return 0.0
+    # torch's formulas take the (fake) tensors and read their shapes themselves
+    args = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
+    kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
+    return float(formula(*args, **kwargs, out_val=node.meta.get("val")))
+
+
+def phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Backward = everything that depends on a tangent; the rest of the compute is forward."""
+    tangents = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    bwd: set[fx.Node] = set(tangents)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and any(a in bwd for a in n.all_input_nodes):
+            bwd.add(n)
+    return {n: ("input" if n.op == "placeholder" else "bwd" if n in bwd else "fwd") for n in gm.graph.nodes}
+
+
+def annotate(gm: fx.GraphModule) -> None:
+    """Fill ``node.meta["autoshard.cost"]`` for every placeholder and call_function node."""
+    from autoshard.passes import rules  # noqa: F401 - registers autoshard's own formulas and rules
+
+    phase = phases(gm)
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        val = node.meta.get("val")
+        tensors = [t for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+        dtype = max(tensors, key=lambda t: t.numel()).dtype if tensors else torch.float32
+        out_b = tensor_bytes(val)
+        if node.op == "placeholder" or _is_free(node):
+            cost = OpCost(0.0, 0.0, out_b, phase[node], dtype)
+        else:
+            in_b = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+            cost = OpCost(_flops(node), in_b + out_b, out_b, phase[node], dtype)
+        node.meta[META_KEY] = cost

@@ -1,0 +1,140 @@
+"""rewrite: the joint graph and a plan -> one rank's local graphs, forward and backward.
+
+Every tensor of the joint graph is run as a DTensor in the placement the plan chose: before each
+op its inputs are redistributed to the placements the op's strategy needs, then DTensor runs the
+op on local shards (shape arguments made local by DTensor's own rules). Tracing that with
+``make_fx`` records only local ops and the functional collectives the redistributions issue; the
+result is a local joint graph (``primals`` = local parameter shards and inputs, ``tangents``)
+whose outputs are the loss, replicated, and each gradient in its parameter's storage placement.
+torch's partitioner then splits it into forward and backward.
+
+Example::
+
+    >>> fw, bw, n_out = rewrite(traced, choice, mesh, local_args)
+    >>> [n.target for n in bw.graph.nodes if "c10d" in str(n.target)][:1]
+    [torch.ops._c10d_functional.all_reduce.default]
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autoshard import _torch
+from autoshard.passes.strategies import META_KEY, Strategy, tensor_inputs
+
+RECOMPUTE_KEY = "recompute"  # torch partitioner's tag; set by later passes from the plan
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _to_placements(dt: DTensor, placements) -> DTensor:
+    placements = tuple(placements)
+    if tuple(dt.placements) == placements:
+        return dt
+    mesh = dt.device_mesh
+    # DTensor will not redistribute *to* Partial; do Replicate -> Partial here: the value stays on
+    # mesh coordinate 0 of that dim and is zero elsewhere, so the pending sum is exact.
+    to_partial = [d for d, p in enumerate(placements) if isinstance(p, Partial) and dt.placements[d] != p]
+    if not to_partial:
+        return dt.redistribute(mesh, placements)
+    staged = tuple(Replicate() if d in to_partial else p for d, p in enumerate(placements))
+    if tuple(dt.placements) != staged:
+        dt = dt.redistribute(mesh, staged)
+    local = dt.to_local()
+    if any(mesh.get_local_rank(d) != 0 for d in to_partial):
+        local = torch.zeros_like(local)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=dt.shape, stride=dt.stride())
+
+
+def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh):
+    inputs = iter(strategy.inputs)
+
+    def arg(a):
+        if not isinstance(a, fx.Node):
+            return a
+        return _to_placements(env[a], next(inputs))
+
+    args = torch.utils._pytree.tree_map_only(fx.Node, arg, node.args) if tensor_inputs(node) else node.args
+    kwargs = torch.utils._pytree.tree_map_only(fx.Node, arg, node.kwargs) if tensor_inputs(node) else node.kwargs
+    if not tensor_inputs(node):  # factory: every rank builds the whole (replicated) tensor
+        out = node.target(*args, **kwargs)
+        wrap = lambda t: DTensor.from_local(t, mesh, strategy.outputs[0], run_check=False)  # noqa: E731
+        return tuple(wrap(t) for t in out) if isinstance(out, (tuple, list)) else wrap(out)
+    if node.target in _VIEWS and not (args[0].is_contiguous() and args[0].to_local().is_contiguous()):
+        # Local kernels may lay a shard out differently from the global trace (e.g. the CPU
+        # attention output); the graph is functional, so a copy is as good as a view here.
+        args = (args[0].contiguous(), *args[1:])
+    out = node.target(*args, **kwargs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    fixed = []
+    for t, want in zip(outs, strategy.outputs):
+        if isinstance(t, DTensor) and want is not None and tuple(t.placements) != want:
+            # DTensor picked another output placement than planned for these inputs; honour the plan
+            warnings.warn(f"autoshard: {node.name}: DTensor produced {t.placements}, plan says {want}")
+            t = _to_placements(t, want)
+        fixed.append(t)
+    return tuple(fixed) if isinstance(out, (tuple, list)) else fixed[0]
+
+
+def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: list[torch.Tensor]) -> tuple[fx.GraphModule, int]:
+    """The rank-local joint graph (see module doc). ``local_primals``: local params, buffers, inputs
+    in placeholder order (example tensors, for tracing). Returns (graph, number of forward outputs)."""
+    gm = traced.gm
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    primal_nodes = [n for n in placeholders if n not in traced.tangents]
+    storage = {node: choice[node].outputs[0] for node in primal_nodes}
+    param_of_grad = {}
+    params = dict(traced.params)
+    for name, g in traced.grads.items():
+        if g is not None:
+            param_of_grad.setdefault(g, []).append(params[name])
+    (out_node,) = gm.graph.find_nodes(op="output")
+    rep = tuple([Replicate()] * mesh.ndim)
+
+    def joint(primals, tangents):
+        env: dict[fx.Node, object] = {}
+        for node, t in zip(primal_nodes, primals):
+            val = node.meta["val"]
+            env[node] = DTensor.from_local(t, mesh, storage[node], run_check=False, shape=val.shape, stride=val.stride())
+        for node, t in zip(traced.tangents, tangents):
+            env[node] = DTensor.from_local(t, mesh, rep, run_check=False)
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            ns = node.meta[META_KEY]
+            if ns.alias_of is not None:
+                env[node] = operator.getitem(env[node.args[0]], node.args[1])
+            else:
+                env[node] = _run_node(node, env, choice[node], mesh)
+        outs = [_to_placements(env[o], rep).to_local() for o in traced.outputs]
+        grads = []
+        for name, pnode in traced.params:
+            g = traced.grads.get(name)
+            grads.append(None if g is None else _to_placements(env[g], storage[pnode]).to_local())
+        return outs + grads
+
+    n_tangents = len(traced.tangents)
+    example_tangents = [torch.ones(()) if False else torch.ones_like(_local_out_example(traced, i)) for i in range(n_tangents)]
+    with torch.no_grad():
+        local = make_fx(joint, tracing_mode="fake")(list(local_primals), example_tangents)
+    return local, len(traced.outputs)
+
+
+def _local_out_example(traced, i: int) -> torch.Tensor:
+    val = traced.outputs[i].meta["val"]
+    return torch.zeros(val.shape, dtype=val.dtype)
+
+
+def split(local: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward/backward split by torch's partitioner (it saves what backward needs and honours
+    ``node.meta["recompute"]`` tags)."""
+    placeholders = local.graph.find_nodes(op="placeholder")
+    example = [n.meta.get("val") for n in placeholders]
+    return _torch.default_partition(local, example, num_fwd_outputs=num_fwd_outputs)

@@ -1,0 +1,286 @@
+"""strategies: the candidate sharding strategies of every node on an N-D device mesh.
+
+A :class:`Strategy` fixes, for each mesh dim, the placement (Replicate, Shard(d), Partial) of every
+tensor output and of every tensor input the op needs; resharding a producer's output to that
+input placement is the solver's edge cost. Rules are DTensor's own registry (so what is planned
+is what DTensor runs), plus autoshard's rules for ops torch lacks (``passes/rules``):
+
+* ops with a single-dim rule: the rule's placements per mesh dim, expanded over the mesh as their
+  Cartesian product (the all-Replicate rule is implied);
+* ops with an op-strategy function: called with each input's candidate placements;
+* ops with no tensor input (factories): Replicate;
+* anything else: Replicate, reported in the result's ``fallback`` (``strict`` raises).
+
+Only even sharding is kept (every sharded dim divides by its shard count) and no strided shards,
+so local shapes, costs and numerics are exact. Facts go to ``node.meta["autoshard.strategies"]``.
+
+Example::
+
+    >>> find_strategies(traced, planning_mesh((2,), ("d0",)))
+    >>> [str(s) for s in mm.meta["autoshard.strategies"].strategies][:3]
+    ['(R),(R)->(R)', '(S(0)),(R)->(S(0))', '(R),(S(1))->(S(1))']
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoshard import _torch
+from autoshard.errors import NoShardingRuleError
+
+META_KEY = "autoshard.strategies"
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    outputs: tuple[Placements | None, ...]   # per tensor output of the op
+    inputs: tuple[Placements | None, ...]    # per tensor input (tensor_inputs(node) order)
+    shards: int = 1                          # ranks the op's work is split over
+
+    def __str__(self) -> str:
+        fmt = lambda p: "-" if p is None else "(" + ",".join(placement_str(x) for x in p) + ")"  # noqa: E731
+        return ",".join(fmt(p) for p in self.inputs) + "->" + ",".join(fmt(p) for p in self.outputs)
+
+
+@dataclass
+class NodeStrategies:
+    strategies: list[Strategy] = field(default_factory=list)
+    fallback: str | None = None              # why the op was planned replicated, if it was
+    alias_of: tuple[fx.Node, int] | None = None  # getitem: (producer, output index)
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Shard) and type(p) is Shard:
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return repr(p)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """A node's tensor arguments in DTensor's order (args, then kwargs), duplicates kept."""
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+
+
+def value_of(node: fx.Node) -> tuple[fx.Node, int]:
+    """(producer, output index) of the tensor a node stands for."""
+    ns = node.meta.get(META_KEY)
+    if ns is not None and ns.alias_of is not None:
+        return ns.alias_of
+    return node, 0
+
+
+def output_options(node: fx.Node) -> list[Placements]:
+    """Distinct placements the tensor ``node`` can have, over its producer's strategies."""
+    producer, k = value_of(node)
+    seen: dict[Placements, None] = {}
+    for s in producer.meta[META_KEY].strategies:
+        if s.outputs[k] is not None:
+            seen.setdefault(s.outputs[k])
+    return list(seen)
+
+
+def _meta(val) -> "_torch.TensorMeta":
+    return _torch.TensorMeta(val.shape, val.stride(), val.dtype)
+
+
+def _even(placements: Placements | None, shape, mesh_shape) -> bool:
+    if placements is None:
+        return True
+    split = [1] * len(shape)
+    for p, m in zip(placements, mesh_shape):
+        if isinstance(p, _torch.StridedShard) or (isinstance(p, Shard) and type(p) is not Shard):
+            return False
+
+        if isinstance(p, Shard):
+            if not 0 <= p.dim < len(shape):
+                return False
+            split[p.dim] *= m
+    return all(s % k == 0 for s, k in zip(shape, split))
+
+
+def _shards(s_out, s_in, mesh_shape) -> int:
+    n = 1
+    for d, m in enumerate(mesh_shape):
+        if any(p is not None and not isinstance(p[d], Replicate) for p in (*s_out, *s_in)):
+            n *= m
+    return n
+
+
+def _tensor_vals(val) -> list:
+    return [v for v in (val if isinstance(val, (tuple, list)) else (val,))]
+
+
+def _keep(node: fx.Node, outs, ins, mesh_shape) -> bool:
+    out_vals = _tensor_vals(node.meta["val"])
+    for p, v in zip(outs, out_vals):
+        if p is not None and (not isinstance(v, torch.Tensor) or not _even(p, v.shape, mesh_shape)):
+            return False
+    for p, a in zip(ins, tensor_inputs(node)):
+        if p is None or not _even(p, a.meta["val"].shape, mesh_shape):
+            return False
+        if any(isinstance(x, Partial) and x.reduce_op != "sum" for x in p):
+            return False  # ops fed avg/max partials duplicate their sum twins; keep one
+    return True
+
+
+def _from_single_dim(node, info, mesh) -> list[Strategy]:
+    args = pytree.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), node.args)
+    kwargs = pytree.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), node.kwargs)
+    rules = info.func(node.target, args, kwargs)
+    n_in = len(tensor_inputs(node))
+    n_out = len(rules[0]) - n_in if rules else len([v for v in _tensor_vals(node.meta["val"])])
+    out_vals = _tensor_vals(node.meta["val"])
+    replicate = [None if not isinstance(out_vals[i] if i < len(out_vals) else None, torch.Tensor) else Replicate()
+                 for i in range(n_out)] + [Replicate()] * n_in
+    rules = [replicate] + [list(r) for r in rules]
+    conv = lambda p: Shard(p.dim) if isinstance(p, _torch.ShardingPlaceholder) else p  # noqa: E731
+    rules = [[conv(p) for p in r] for r in rules]
+    result = []
+    for combo in itertools.product(rules, repeat=mesh.ndim):
+        cols = list(zip(*combo))  # per tensor position, its placement on each mesh dim
+        pl = [None if any(c is None for c in col) else tuple(col) for col in cols]
+        result.append((tuple(pl[:n_out]), tuple(pl[n_out:])))
+    return result
+
+
+def _from_op_strategy_each(node, func, mesh, schema_info) -> list:
+    """Rules written for run time expect one placement per input and may raise on some
+    combinations (a view that cannot unflatten a shard); ask them once per combination."""
+    inputs = list(dict.fromkeys(tensor_inputs(node)))
+    combos = list(itertools.product(*[output_options(a) for a in inputs]))
+    if len(combos) > 512:
+        raise RuntimeError(f"{len(combos)} input placement combinations")
+    result = []
+    for combo in combos:
+        fixed = dict(zip(inputs, combo))
+        try:
+            result += _from_op_strategy(node, func, mesh, schema_info, lambda a: [fixed[a]])
+        except Exception:  # noqa: BLE001 - this combination is not supported by the rule
+            continue
+    if not result:
+        raise RuntimeError("no input placement combination is supported")
+    return result
+
+
+def _from_op_strategy(node, func, mesh, schema_info, options=output_options) -> list:
+    def to_strategy(a: fx.Node):
+        tm = _meta(a.meta["val"])
+        return _torch.OpStrategy([_torch.OpSpec(_torch.DTensorSpec(mesh, p, tm)) for p in options(a)])
+
+    args = pytree.tree_map_only(fx.Node, to_strategy, node.args)
+    args = tuple(_torch.TupleStrategy(list(a)) if isinstance(a, (list, tuple)) and a and
+                 all(isinstance(x, _torch.OpStrategy) for x in a) else a for a in args)
+    kwargs = pytree.tree_map_only(fx.Node, to_strategy, node.kwargs)
+    out = func(_torch.OpSchema(node.target, args, kwargs, schema_info=schema_info))
+    if isinstance(out, _torch.TupleStrategy):
+        raise NotImplementedError(f"tuple strategies for {node.target}")
+    n_in = len(tensor_inputs(node))
+    result = []
+    for spec in out.strategies:
+        outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
+        outs = tuple(None if o is None else tuple(o.placements) for o in outs)
+        if spec.input_specs is None:
+            ins = (outs[0],) * n_in
+        else:
+            ins = tuple(None if i is None else tuple(i.placements) for i in spec.input_specs)
+        result.append((outs, ins))
+    return result
+
+
+def _enumerate(node: fx.Node, mesh) -> tuple[list, str | None]:
+    prop = _torch.sharding_propagator()
+    op = node.target
+    if not tensor_inputs(node):
+        return [(tuple(tuple([Replicate()] * mesh.ndim) for _ in _tensor_vals(node.meta["val"])), ())], None
+    try:
+        if op in prop.op_single_dim_strategy_funcs:
+            return _from_single_dim(node, prop.op_single_dim_strategy_funcs[op], mesh), None
+        if op in prop.op_strategy_funcs:
+            func, info = prop.op_strategy_funcs[op], prop.op_to_schema_info.get(op)
+            try:
+                return _from_op_strategy(node, func, mesh, info), None
+            except Exception:  # noqa: BLE001 - retried per input combination below
+                return _from_op_strategy_each(node, func, mesh, info), None
+        reason = f"{op} has no sharding rule"
+    except Exception as exc:  # noqa: BLE001 - a rule that fails on these shapes is reported, not hidden
+        reason = f"{op}'s sharding rule failed on these shapes: {type(exc).__name__}: {exc}"
+    n_out = len(_tensor_vals(node.meta["val"]))
+    rep = tuple([Replicate()] * mesh.ndim)
+    return [(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)))], reason
+
+
+def _cache_key(node: fx.Node):
+    def leaf(a):
+        if isinstance(a, fx.Node):
+            v = a.meta["val"]
+            return ("T", tuple(v.shape), v.dtype, tuple(output_options(a)))
+        return a
+    try:
+        key = (node.target, pytree.tree_map(leaf, (node.args, node.kwargs)))
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def find_strategies(gm: fx.GraphModule, mesh, *, param_nodes=(), strict: bool = False) -> list[tuple[str, str]]:
+    """Fill ``node.meta["autoshard.strategies"]``; returns the (node, reason) fallbacks."""
+    from autoshard.passes import rules  # noqa: F401 - registers autoshard's own rules
+
+    mesh_shape = tuple(mesh.shape)
+    rep = tuple([Replicate()] * mesh.ndim)
+    cache: dict = {}
+    fallbacks: list[tuple[str, str]] = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            opts = [rep]
+            if isinstance(val, torch.Tensor) and val.ndim > 0 and not node.name.startswith("tangents"):
+                per_dim = [Replicate()] + [Shard(d) for d in range(val.ndim)]
+                opts = [p for p in itertools.product(per_dim, repeat=mesh.ndim) if _even(p, val.shape, mesh_shape)]
+            node.meta[META_KEY] = NodeStrategies([Strategy((p,), (), _shards((p,), (), mesh_shape)) for p in opts])
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+                isinstance(node.args[0].meta.get("val"), (tuple, list)):
+            node.meta[META_KEY] = NodeStrategies(alias_of=(node.args[0], node.args[1]))
+            continue
+        key = _cache_key(node)
+        if key is not None and key in cache:
+            raw, reason = cache[key]
+        else:
+            raw, reason = _enumerate(node, mesh)
+            if key is not None:
+                cache[key] = (raw, reason)
+        seen: dict[Strategy, None] = {}
+        for outs, ins in raw:
+            if _keep(node, outs, ins, mesh_shape):
+                seen.setdefault(Strategy(outs, ins, _shards(outs, ins, mesh_shape)))
+        strategies = list(seen)
+        if not strategies:  # every rule shards unevenly here: replicate is always valid
+            n_out = len(_tensor_vals(val))
+            strategies = [Strategy(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)), 1)]
+        if reason is not None:
+            if strict:
+                raise NoShardingRuleError(f"node {node.name}: {reason}. Register a rule with "
+                                          f"torch.distributed.tensor's register_sharding or pass strict=False "
+                                          f"to plan it replicated.")
+            fallbacks.append((node.name, reason))
+        node.meta[META_KEY] = NodeStrategies(strategies, reason)
+    for name, reason in fallbacks:
+        warnings.warn(f"autoshard: {name} planned replicated: {reason}", stacklevel=3)
+    return fallbacks

@@ -1,0 +1,153 @@
+"""trace: model + example inputs -> joint forward+backward ATen graph on fake tensors.
+
+The graph's placeholders are the parameters (paired with their gradient outputs), the user's
+inputs, and one tangent per forward output; ``node.meta["desc"]`` (torch's descriptors) says which
+is which. Nothing real is allocated: parameters and inputs are swapped for fake tensors for the
+duration of the trace, so a 70B model built on the ``meta`` device traces in this process, and the
+user's module is restored unchanged afterwards.
+
+Example::
+
+    >>> t = trace(GPT(GPTConfig.tiny()), (idx, targets))
+    >>> [p for p, _ in t.params][:2], t.gm.graph.find_nodes(op="placeholder")[-1].name
+    (['wte.weight', 'wpe.weight'], 'tangents_1')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autoshard import _torch
+from autoshard.errors import TraceError
+
+META_KEY = "autoshard.trace"  # unused per node; the TracedModel holds the pairing
+
+
+@dataclass
+class TracedModel:
+    """A joint graph plus the pairing torch's descriptors give it."""
+
+    gm: fx.GraphModule
+    params: list[tuple[str, fx.Node]]          # (fully qualified name, placeholder)
+    buffers: list[tuple[str, fx.Node]]
+    inputs: list[fx.Node]                      # user inputs, in call order
+    tangents: list[fx.Node]
+    outputs: list[fx.Node | None]              # forward outputs, in order
+    grads: dict[str, fx.Node | None]           # parameter name -> gradient node
+    input_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    fingerprint: str = ""
+
+
+def _fake_like(fake_mode, t: torch.Tensor) -> torch.Tensor:
+    with fake_mode:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return out
+
+
+@contextlib.contextmanager
+def _fake_parameters(model: nn.Module, fake_mode):
+    """Swap every parameter and buffer for a fake one (no memory), restoring them on exit.
+
+    A module on ``meta`` cannot be traced jointly as-is; a real one must not be read or copied
+    just to plan it. Tied weights stay tied: one fake per distinct tensor.
+    """
+    saved: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    fakes: dict[int, torch.Tensor] = {}
+    try:
+        for mod in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                for name, t in list(getattr(mod, kind).items()):
+                    if t is None:
+                        continue
+                    if id(t) not in fakes:
+                        f = _fake_like(fake_mode, t)
+                        fakes[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if kind == "_parameters" else f
+                    saved.append((mod, kind, name, t))
+                    getattr(mod, kind)[name] = fakes[id(t)]
+        yield
+    finally:
+        for mod, kind, name, t in saved:
+            getattr(mod, kind)[name] = t
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: the line of the model that failed."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
+              and "/autoshard/" not in f.filename and "/passes/" not in f.filename]
+    if not frames:
+        return "(no frame outside torch)"
+    f = frames[-1]
+    return f'{f.filename}:{f.lineno} in {f.name}: "{(f.line or "").strip()}"'
+
+
+def trace(model: nn.Module, example_inputs: tuple) -> TracedModel:
+    """Trace ``model(*example_inputs)`` (which must return a scalar loss, or tensors) jointly."""
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    fake_mode = _torch.FakeTensorMode(allow_non_fake_inputs=False)
+    args = tuple(_fake_like(fake_mode, a) if isinstance(a, torch.Tensor) else a for a in example_inputs)
+    was_training = model.training
+    try:
+        with _fake_parameters(model, fake_mode), _torch.joint_export(model, args) as jd:
+            gm = jd.graph_module
+    except Exception as exc:  # noqa: BLE001 - re-raised typed, with the user's line
+        where = _user_frame(exc)
+        if _torch.is_data_dependent_error(exc):
+            raise TraceError(
+                f"{type(model).__name__} has Python control flow that depends on tensor values, "
+                f"which cannot be traced at {where}. Rewrite it with torch.where / torch.cond, or "
+                f"move the decision out of forward()."
+            ) from exc
+        raise TraceError(f"could not trace {type(model).__name__} at {where}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        model.train(was_training)
+    return _pair(gm, example_inputs)
+
+
+def _pair(gm: fx.GraphModule, example_inputs) -> TracedModel:
+    params, buffers, inputs, tangents = [], [], [], []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        desc = node.meta.get("desc")
+        if isinstance(desc, _torch.ParamAOTInput):
+            params.append((desc.target, node))
+        elif isinstance(desc, _torch.BufferAOTInput):
+            buffers.append((desc.target, node))
+        elif isinstance(desc, _torch.PlainAOTInput):
+            inputs.append(node)
+        elif isinstance(desc, _torch.TangentAOTInput):
+            tangents.append(node)
+        else:
+            raise TraceError(f"unexpected graph input {node.name} ({desc!r})")
+    (out_node,) = gm.graph.find_nodes(op="output")
+    outputs, grads = [], {}
+    for val, desc in zip(out_node.args[0], out_node.meta.get("desc", [])):
+        if val is None and desc is None:  # gradient slot of an input that needs none
+            continue
+        if isinstance(desc, _torch.GradAOTOutput):
+            grads[desc.grad_of.target] = val
+        elif isinstance(desc, _torch.PlainAOTOutput):
+            outputs.append(val)
+        else:
+            raise TraceError(f"unexpected graph output {val} ({desc!r}); autoshard traces models whose "
+                             f"forward returns tensors and does not mutate its inputs")
+    meta = [(tuple(a.shape), a.dtype) for a in example_inputs if isinstance(a, torch.Tensor)]
+    return TracedModel(gm, params, buffers, inputs, tangents, outputs, grads, meta, _fingerprint(gm))
+
+
+def _fingerprint(gm: fx.GraphModule) -> str:
+    """Hash of ops, shapes and dtypes: the same model and input shapes give the same value."""
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ""
+        dtype = str(val.dtype) if isinstance(val, torch.Tensor) else ""
+        desc = str(n.meta.get("desc", "")) if n.op == "placeholder" else ""
+        h.update(f"{n.op}|{n.target}|{shape}|{dtype}|{desc};".encode())
+    return h.hexdigest()[:16]

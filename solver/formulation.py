@@ -1,0 +1,118 @@
+"""formulation: the sharding ILP as data, read straight off the annotated graph.
+
+    minimize   sum_v sum_s c[v,s] x[v,s]  +  sum_e sum_{q,p} R_e[q,p] y[e,q,p]
+    subject to sum_s x[v,s] = 1                                  (one strategy per node)
+               sum_p y[e,q,p] = sum_{s: out_e(s) = q} x[u,s]      (flow form of each edge
+               sum_q y[e,q,p] = sum_{s: in_e(s)  = p} x[v,s]       u -> v: y is the product
+               x binary, y >= 0                                    x_u x_v, exact for binary x)
+
+c[v,s] is the compute time of node v under strategy s; R_e[q,p] the resharding time of edge e's
+tensor from the producer's placement q to the placement p the consumer needs. y is indexed by
+distinct placements, not strategies, so an edge costs |Q| x |P| continuous variables; an edge
+whose producer (or consumer) has a single placement needs none (its cost is linear in x).
+Besides op inputs, two kinds of edges close the step: each forward output must end Replicate,
+and each gradient must land in its parameter's storage placement (the placeholder's choice).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch.distributed.tensor import Replicate
+
+from autoshard import costmodel
+from autoshard.errors import ConstraintError
+from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
+
+
+@dataclass
+class Edge:
+    src: fx.Node                 # producer (decision node)
+    src_out: int                 # which output of the producer
+    dst: fx.Node | None          # consumer decision node; None: the placement is fixed (`fixed`)
+    dst_in: list | None          # consumer's required placement per consumer strategy
+    nbytes: float                # global size of the tensor
+    fixed: tuple | None = None   # required placement when dst is None
+    kind: str = "input"          # input | output | grad
+
+
+@dataclass
+class Problem:
+    nodes: list[fx.Node]
+    cost: dict[fx.Node, list[float]]
+    allowed: dict[fx.Node, list[int]]          # strategies a node may take (after constraints)
+    edges: list[Edge] = field(default_factory=list)
+
+    def src_placement(self, e: Edge, s: int):
+        return e.src.meta[META_KEY].strategies[s].outputs[e.src_out]
+
+
+def _parse_placements(value, ndim: int, what: str):
+    from autoshard.plan import parse_placements
+
+    try:
+        return parse_placements(value, ndim)
+    except (ValueError, TypeError) as exc:
+        raise ConstraintError(f"constraint for {what}: {exc}") from exc
+
+
+def _restrict(node: fx.Node, placements, what: str) -> list[int]:
+    strategies = node.meta[META_KEY].strategies
+    ok = [i for i, s in enumerate(strategies) if s.outputs[0] == placements]
+    if not ok:
+        options = ", ".join(str(s).split("->")[1] for s in strategies)
+        raise ConstraintError(f"{what} cannot be placed {placements}: its shape allows {options}")
+    return ok
+
+
+def formulate(traced, cluster, constraints: dict | None = None) -> Problem:
+    gm = traced.gm
+    nodes = [n for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].alias_of is None]
+    cost = {n: [costmodel.compute_time(cluster, n, s) for s in n.meta[META_KEY].strategies] for n in nodes}
+    allowed = {n: list(range(len(n.meta[META_KEY].strategies))) for n in nodes}
+    rep = tuple([Replicate()] * cluster.ndim)
+
+    # Buffers and tangents stay replicated; user constraints pin parameters and inputs.
+    for _, node in traced.buffers:
+        allowed[node] = _restrict(node, rep, f"buffer {node.name}")
+    for node in traced.tangents:
+        allowed[node] = _restrict(node, rep, "the loss tangent")
+    for key, value in (constraints or {}).items():
+        if key == "inputs":
+            if len(value) != len(traced.inputs):
+                raise ConstraintError(f"'inputs' has {len(value)} entries but the model takes {len(traced.inputs)} "
+                                      f"tensor inputs; give one placement list (or None) per input")
+            for i, (node, v) in enumerate(zip(traced.inputs, value)):
+                if v is not None:
+                    allowed[node] = _restrict(node, _parse_placements(v, cluster.ndim, f"input {i}"), f"input {i}")
+            continue
+        matched = [(name, node) for name, node in traced.params if fnmatch.fnmatchcase(name, key)]
+        if not matched:
+            names = ", ".join(n for n, _ in traced.params[:6])
+            raise ConstraintError(f"constraint {key!r} matches no parameter (parameters are named like {names}, ...)")
+        pl = _parse_placements(value, cluster.ndim, key)
+        for name, node in matched:
+            allowed[node] = _restrict(node, pl, f"parameter {name}")
+
+    problem = Problem(nodes, cost, allowed)
+    for v in nodes:
+        if v.op != "call_function":
+            continue
+        for i, arg in enumerate(tensor_inputs(v)):
+            u, k = value_of(arg)
+            problem.edges.append(Edge(u, k, v, [s.inputs[i] for s in v.meta[META_KEY].strategies],
+                                      costmodel.tensor_nbytes(arg.meta["val"])))
+    for out in traced.outputs:
+        if out is not None:
+            u, k = value_of(out)
+            problem.edges.append(Edge(u, k, None, None, costmodel.tensor_nbytes(out.meta["val"]), rep, "output"))
+    params = dict(traced.params)
+    for name, grad in traced.grads.items():
+        if grad is not None:
+            u, k = value_of(grad)
+            p = params[name]
+            problem.edges.append(Edge(u, k, p, [s.outputs[0] for s in p.meta[META_KEY].strategies],
+                                      costmodel.tensor_nbytes(grad.meta["val"]), kind="grad"))
+    return problem

@@ -1,0 +1,16 @@
+"""Shared test setup: importable job modules for spawned ranks, one OpenMP thread."""
+
+import os
+import sys
+
+# Spawned ranks import job functions by module name (e.g. ``test_launch``): keep tests/ on
+# sys.path whatever pytest's import mode; children inherit the parent's sys.path.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "world(n): test launches n local ranks via autoshard.launch")

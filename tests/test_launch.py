@@ -1,0 +1,116 @@
+"""autoshard.launch.run_local: results by rank; failing or hung ranks raise and are reaped."""
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autoshard.launch import DistributedRunError, free_port, run_local
+
+pytestmark = pytest.mark.world(2)
+
+
+# Job functions run in spawned children: module level, so they pickle by name.
+def allreduce_job(base):
+    rank = dist.get_rank()
+    t = torch.tensor([base + rank, 10.0 * (rank + 1)])
+    dist.all_reduce(t)
+    return rank, os.environ["OMP_NUM_THREADS"], torch.get_num_threads(), t.tolist()
+
+
+def raise_on_rank1_job():
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    dist.barrier()
+    return "unreachable"
+
+
+def hang_on_rank1_job():
+    if dist.get_rank() == 1:
+        while True:
+            time.sleep(3600)
+    dist.all_reduce(torch.ones(1))  # waits for rank 1 until pg_timeout
+    return "unreachable"
+
+
+def sleep_job():
+    time.sleep(3600)
+
+
+def _live_spawned_children():
+    """Pids of our child processes that are rank workers or unreaped zombies (Linux /proc)."""
+    me, live = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if int(ppid) == me and (state == "Z" or b"spawn_main" in cmd):
+            live.append(int(pid))
+    return live
+
+
+def _assert_reaped():
+    assert multiprocessing.active_children() == []
+    if os.path.isdir("/proc"):
+        assert _live_spawned_children() == []
+
+
+def test_free_port():
+    assert 0 < free_port() < 65536
+
+
+def test_allreduce_results_by_rank():
+    out = run_local(allreduce_job, 2, 1.0, timeout=120)
+    assert out == [(0, "1", 1, [3.0, 30.0]), (1, "1", 1, [3.0, 30.0])]
+    _assert_reaped()
+
+
+def test_rank_error_names_rank_and_reaps():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedRunError) as ei:
+        run_local(raise_on_rank1_job, 2, timeout=60, pg_timeout=30)
+    assert time.monotonic() - t0 < 45
+    msg = str(ei.value)
+    assert "rank 1 raised" in msg and "ValueError: boom from rank one" in msg
+    assert 1 in ei.value.errors
+    _assert_reaped()
+
+
+def test_hung_rank_raises_within_timeout_and_reaps():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedRunError) as ei:
+        run_local(hang_on_rank1_job, 2, timeout=20, pg_timeout=10)
+    assert time.monotonic() - t0 < 30
+    assert 1 in ei.value.missing  # the hung rank never reported
+    assert 1 not in ei.value.errors
+    _assert_reaped()
+
+
+def test_deadline_names_timed_out_ranks():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedRunError, match=r"ranks \[0, 1\] had not reported \(timed out"):
+        run_local(sleep_job, 2, timeout=8, pg_timeout=60)
+    assert time.monotonic() - t0 < 20
+    _assert_reaped()
+
+
+def test_retries_once_when_port_in_use(monkeypatch):
+    import socket
+
+    import autoshard.launch as launch
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = [busy.getsockname()[1]]
+        monkeypatch.setattr(launch, "free_port", lambda: ports.pop() if ports else free_port())
+        out = run_local(allreduce_job, 2, 1.0, timeout=120, pg_timeout=30)
+    assert not ports and [r[3] for r in out] == [[3.0, 30.0]] * 2
+    _assert_reaped()
