@@ -52,7 +52,7 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     problem = formulate(traced, cluster, constraints)
     solution = solve(problem, cluster, time_limit=time_limit)
     result = _make_plan(traced, cluster, problem, solution, fallbacks)
-    result.stats = {"strategies_s": t1 - t0, "solve_s": solution.solve_time, "total_s": time.perf_counter() - t0}
+    result.stats = {"trace_strategies_s": t1 - t0, "solve_s": solution.solve_time, "total_s": time.perf_counter() - t0}
     return result
 
 
@@ -83,7 +83,7 @@ def _make_plan(traced, cluster, problem, solution, fallbacks) -> Plan:
         step_time=compute + comm_time, compute_time=compute, comm_time=comm_time,
         peak_memory=sum(memory.values()), memory=memory, fallbacks=[tuple(f) for f in fallbacks],
         solver={"status": solution.status, "objective": solution.objective, "bound": solution.bound,
-                "gap": solution.gap, "time": solution.solve_time, "backend": solution.backend,
+                "gap": solution.gap, "backend": solution.backend,
                 "variables": solution.num_variables, "constraints": solution.num_constraints})
 
 
@@ -144,10 +144,15 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
                          "(autoshard.plan) but must be materialized (e.g. to_empty + init) before compile")
     traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
     if plan is None:
-        problem = formulate(traced, cluster, constraints)
-        plan = _make_plan(traced, cluster, problem, solve(problem, cluster, time_limit=time_limit), fallbacks)
-    else:
-        plan.check_matches(traced.fingerprint, cluster.to_json())
+        # Rank 0 plans and everyone runs its plan: ranks must never disagree on a tie.
+        box = [None]
+        if dist.get_rank() == 0:
+            problem = formulate(traced, cluster, constraints)
+            solution = solve(problem, cluster, time_limit=time_limit)
+            box = [_make_plan(traced, cluster, problem, solution, fallbacks).to_json()]
+        dist.broadcast_object_list(box, src=0)
+        plan = Plan.from_json(box[0])
+    plan.check_matches(traced.fingerprint, cluster.to_json())
     choice = _choice_from_plan(traced, plan)
 
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"

@@ -119,7 +119,7 @@ class Plan:
         head = (f"step {self.step_time * 1e3:.2f} ms (compute {self.compute_time * 1e3:.2f}, comm "
                 f"{self.comm_time * 1e3:.2f}) | peak {self.peak_memory / gib:.2f} GiB/device | mesh "
                 f"{dict(zip(self.mesh_dim_names, self.mesh_shape))} | solver {self.solver['status']} "
-                f"gap {self.solver['gap']:.1%} in {self.solver['time']:.1f}s")
+                f"gap {self.solver['gap']:.1%}")
         table = Table(title=head, title_justify="left")
         for col in ("node", "op", "placements (in -> out)", "compute us", "comm"):
             table.add_column(col)

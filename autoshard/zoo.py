@@ -1,6 +1,7 @@
 """Models autoshard is tested and demonstrated on, built from config with random weights.
 
-``GPT`` is a GPT-2-style decoder (pre-LayerNorm, fused QKV, GELU MLP, causal SDPA) whose forward
+``GPT`` is a GPT-2-style decoder (pre-LayerNorm, fused QKV, GELU MLP, causal SDPA, LM head tied
+to the token embedding) whose forward
 takes token ids and targets and returns the mean cross-entropy loss; ``MLP`` a regression MLP
 returning the mean squared error. Both trace to the ops a transformer training step needs.
 """
@@ -62,6 +63,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.hidden)
         self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as in GPT-2
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

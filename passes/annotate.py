@@ -41,6 +41,11 @@ def tensor_bytes(val) -> float:
     return float(sum(t.numel() * t.element_size() for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)))
 
 
+# Ops that move no data but whose schemas do not say they alias (_unsafe_view is view + no
+# aliasing check; detach/alias return views).
+_FREE = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten._unsafe_view.default)
+
+
 def _is_free(node: fx.Node) -> bool:
     """Ops that alias their input or move no data."""
     if node.target is operator.getitem:
@@ -48,7 +53,7 @@ def _is_free(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return False
-    if node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+    if node.target in _FREE:
         return True
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 

@@ -251,7 +251,7 @@ def find_strategies(gm: fx.GraphModule, mesh, *, param_nodes=(), strict: bool = 
             if isinstance(val, torch.Tensor) and val.ndim > 0 and not node.name.startswith("tangents"):
                 per_dim = [Replicate()] + [Shard(d) for d in range(val.ndim)]
                 opts = [p for p in itertools.product(per_dim, repeat=mesh.ndim) if _even(p, val.shape, mesh_shape)]
-            node.meta[META_KEY] = NodeStrategies([Strategy((p,), (), _shards((p,), (), mesh_shape)) for p in opts])
+            node.meta[META_KEY] = NodeStrategies(sorted((Strategy((p,), (), _shards((p,), (), mesh_shape)) for p in opts), key=str))
             continue
         if node.op != "call_function":
             continue
@@ -270,7 +270,9 @@ def find_strategies(gm: fx.GraphModule, mesh, *, param_nodes=(), strict: bool = 
         for outs, ins in raw:
             if _keep(node, outs, ins, mesh_shape):
                 seen.setdefault(Strategy(outs, ins, _shards(outs, ins, mesh_shape)))
-        strategies = list(seen)
+        # Canonical order: DTensor's rules iterate sets whose order varies between processes
+        # (string hashing), and every rank must see the same problem to pick the same plan.
+        strategies = sorted(seen, key=str)
         if not strategies:  # every rule shards unevenly here: replicate is always valid
             n_out = len(_tensor_vals(val))
             strategies = [Strategy(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)), 1)]

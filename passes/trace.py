@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import traceback
 from dataclasses import dataclass, field
 
@@ -77,10 +78,15 @@ def _fake_parameters(model: nn.Module, fake_mode):
             getattr(mod, kind)[name] = t
 
 
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
+_OWN_FILES = frozenset({__file__, _torch.__file__})
+
+
 def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch: the line of the model that failed."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
-              and "/autoshard/" not in f.filename and "/passes/" not in f.filename]
+    """The innermost traceback frame outside torch and autoshard: the line of the model that failed."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_LIBRARY_DIRS) and f.filename not in _OWN_FILES
+              and os.path.basename(f.filename) != "contextlib.py"]
     if not frames:
         return "(no frame outside torch)"
     f = frames[-1]
@@ -108,7 +114,44 @@ def trace(model: nn.Module, example_inputs: tuple) -> TracedModel:
         raise TraceError(f"could not trace {type(model).__name__} at {where}: {type(exc).__name__}: {exc}") from exc
     finally:
         model.train(was_training)
-    return _pair(gm, example_inputs)
+    traced = _pair(gm, example_inputs)
+    _tie(traced, model)
+    traced.fingerprint = _fingerprint(traced.gm)
+    return traced
+
+
+def _tie(traced: TracedModel, model: nn.Module) -> None:
+    """Merge parameters the model shares under several names (GPT-2's embedding and LM head).
+
+    The export lists a tied weight once per name, each with its own gradient; the model holds
+    one tensor, whose gradient is their sum. Keep the first name (``named_parameters()``'s)."""
+    first: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        alias[name] = first.setdefault(id(p), name)
+    nodes = dict(traced.params)
+    graph = traced.gm.graph
+    (out,) = graph.find_nodes(op="output")
+    for name, primary in alias.items():
+        if name == primary or name not in nodes:
+            continue
+        nodes[name].replace_all_uses_with(nodes[primary])
+        g_dup, g_main = traced.grads.pop(name, None), traced.grads.get(primary)
+        if g_dup is not None and g_main is not None:
+            with graph.inserting_before(out):
+                total = graph.call_function(torch.ops.aten.add.Tensor, (g_main, g_dup))
+            total.meta["val"] = g_main.meta["val"]
+            traced.grads[primary] = total
+        elif g_dup is not None:
+            traced.grads[primary] = g_dup
+        graph.erase_node(nodes[name])
+        traced.params = [(n, node) for n, node in traced.params if n != name]
+    # The output node keeps listing every gradient in its own order; autoshard reads the pairing
+    # from TracedModel.grads, so rewrite the output to exactly that.
+    out.args = ([*traced.outputs, *[g for g in traced.grads.values() if g is not None]],)
+    out.meta.pop("desc", None)
+    graph.eliminate_dead_code()
+    traced.gm.recompile()
 
 
 def _pair(gm: fx.GraphModule, example_inputs) -> TracedModel:

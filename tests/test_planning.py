@@ -1,0 +1,225 @@
+"""autoshard.plan end to end in one process: GPT-2 small for 16 H100s, JSON, constraints."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import Cluster, Plan
+from autoshard.errors import ConstraintError, PlanError, PlanMismatchError
+from autoshard.passes.annotate import META_KEY as COST_KEY
+from autoshard.zoo import GPT, GPTConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore:autoshard.*planned replicated")
+
+_PL = re.compile(r"R|S\((\d+)\)|P")
+
+
+def _shard_factor(placements: str, mesh_shape) -> int:
+    """'(S(1),R)' on mesh (2, 8) -> 2: the product of the mesh sizes of the sharded dims."""
+    assert placements.startswith("(") and placements.endswith(")"), placements
+    items = placements[1:-1].split(",")
+    assert len(items) == len(mesh_shape), placements
+    f = 1
+    for item, m in zip(items, mesh_shape):
+        assert _PL.fullmatch(item), placements
+        if item.startswith("S"):
+            f *= m
+    return f
+
+
+# ---------------------------------------------------------------------------- GPT-2 small, 16 GPUs
+@pytest.fixture(scope="module")
+def gpt2():
+    with torch.device("meta"):
+        model = GPT(GPTConfig.gpt2_small())
+    idx = torch.zeros(8, 1024, dtype=torch.long, device="meta")
+    traced = autoshard.trace(model, (idx, idx))
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    plan = autoshard.plan(traced, cluster)
+    single_cluster = cluster.with_mesh((1,))
+    single = autoshard.plan(traced, single_cluster)  # re-plans the same trace for one device
+    return model, traced, cluster, plan, single_cluster, single
+
+
+def test_gpt2_plan_basic(gpt2):
+    model, _, cluster, plan, _, _ = gpt2
+    assert cluster.world_size == 16 and plan.mesh_shape == (2, 8)
+    assert plan.solver["status"] in ("optimal", "feasible")
+    assert 0 < plan.step_time < math.inf
+    assert plan.step_time == pytest.approx(plan.compute_time + plan.comm_time, rel=1e-12)
+    assert plan.compute_time > 0 and plan.comm_time >= 0
+    assert plan.solver["objective"] == pytest.approx(plan.step_time, rel=1e-6)
+    assert 0 < plan.peak_memory < math.inf
+    assert plan.peak_memory == pytest.approx(sum(plan.memory.values()))
+    assert plan.peak_memory <= cluster.memory_limit
+    assert list(plan.storage) == [name for name, _ in model.named_parameters()]
+    for name, pl in plan.storage.items():
+        _shard_factor(pl, plan.mesh_shape)
+    assert plan.fallbacks == []
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_gpt2_memory_by_hand(gpt2):
+    model, _, _, plan, _, _ = gpt2
+    params = dict(model.named_parameters())
+    want = sum(params[n].numel() * 4 / _shard_factor(pl, plan.mesh_shape) for n, pl in plan.storage.items())
+    assert plan.memory["params"] == pytest.approx(want, rel=1e-12)
+    assert plan.memory["grads"] == pytest.approx(want, rel=1e-12)
+    assert plan.memory["optimizer"] == pytest.approx(2 * want, rel=1e-12)  # Adam: two moments
+    inputs = sum(8 * 1024 * 8 / _shard_factor(pl, plan.mesh_shape) for pl in plan.inputs)
+    assert plan.memory["inputs"] == pytest.approx(inputs, rel=1e-12)
+    assert plan.memory["activations"] > 0
+    # parameter count by hand (the zoo's head is untied): embeddings, 12h^2 + 13h per block,
+    # final LayerNorm, head; sharding can only shrink the full fp32 copy
+    c = GPTConfig.gpt2_small()
+    total = sum(p.numel() for p in params.values())
+    assert total == 2 * c.vocab * c.hidden + c.seq * c.hidden + c.layers * (12 * c.hidden**2 + 13 * c.hidden) \
+        + 2 * c.hidden
+    assert plan.memory["params"] <= total * 4
+
+
+def test_gpt2_parallel_beats_single_device(gpt2):
+    _, traced, cluster, plan, single_cluster, single = gpt2
+    assert single.solver["status"] == "optimal"
+    assert single.comm_time == 0.0
+    # one device: every strategy runs the whole op, so the step is the roofline sum over nodes
+    d = single_cluster.device
+    hand, flops = 0.0, 0.0
+    for n in traced.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        c = n.meta[COST_KEY]
+        flops += c.flops
+        if c.flops or c.bytes:
+            hand += max(c.flops / (d.flops(c.dtype) * d.compute_efficiency),
+                        c.bytes / (d.memory_bandwidth * d.memory_efficiency)) + d.launch_overhead
+    assert single.step_time == pytest.approx(hand, rel=1e-9)
+    # by hand: 6 * tokens * (matmul weights) for the Linears (forward, input and weight gradients),
+    # plus attention, 4*B*S^2*h forward and 10*B*S^2*h backward per layer (torch's sdpa counts)
+    c = GPTConfig.gpt2_small()
+    b, s, h = 8, c.seq, c.hidden
+    assert flops == 6 * b * s * (c.layers * 12 * h * h + c.vocab * h) + 14 * b * s * s * h * c.layers
+    assert plan.step_time < single.step_time
+    # ... but no faster than perfect 16-way compute scaling allows
+    peak = cluster.device.flops(torch.float32) * cluster.device.compute_efficiency
+    assert plan.compute_time >= flops / 16 / peak * (1 - 1e-9)
+
+
+def test_gpt2_plan_json_round_trip(gpt2):
+    plan = gpt2[3]
+    text = plan.to_json()
+    again = Plan.from_json(text)
+    assert again.to_json() == text
+    assert again.storage == plan.storage and again.step_time == plan.step_time
+    assert "stats" not in json.loads(text)
+
+
+def test_gpt2_plan_summary(gpt2):
+    plan = gpt2[3]
+    text = plan.summary(max_rows=5)
+    assert "step" in text and "parameter storage" in text and "head.weight" in text
+
+
+# ---------------------------------------------------------------------------- tiny GPT
+@pytest.fixture(scope="module")
+def tiny():
+    model = GPT(GPTConfig.tiny())
+    inputs = model.example_inputs(2, generator=torch.Generator().manual_seed(0))
+    return model, inputs, autoshard.trace(model, inputs)
+
+
+def test_plan_accepts_model_or_traced(tiny):
+    model, inputs, traced = tiny
+    a = autoshard.plan(traced, Cluster.local(2))
+    b = autoshard.plan(model, Cluster.local(2), inputs)
+    assert a.fingerprint == b.fingerprint == traced.fingerprint
+    assert a.storage == b.storage and a.step_time == pytest.approx(b.step_time, rel=1e-9)
+
+
+def test_json_round_trip_tiny(tiny):
+    _, _, traced = tiny
+    p = autoshard.plan(traced, Cluster.local(4, (2, 2)))
+    assert Plan.from_json(p.to_json()).to_json() == p.to_json()
+
+
+@pytest.fixture(scope="module")
+def tiny_plan_json(tiny):
+    return autoshard.plan(tiny[2], Cluster.local(2)).to_json()
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda t: t[: len(t) // 2],                                            # truncated file
+    lambda t: "not a plan",
+    lambda t: "[1, 2, 3]",
+    lambda t: json.dumps({**json.loads(t), "schema": 999}),
+    lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "schema"}),
+    lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "nodes"}),
+    lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "step_time"}),
+    lambda t: json.dumps({**json.loads(t), "nodes": [{"name": "x"}]}),
+    lambda t: json.dumps({**json.loads(t), "nodes": 5}),
+    lambda t: json.dumps({**json.loads(t), "unknown_field": 1}),
+], ids=["truncated", "text", "list", "schema", "no-schema", "no-nodes", "no-step-time", "bad-node",
+        "nodes-int", "extra-field"])
+def test_corrupt_json_raises_plan_error(tiny_plan_json, mutate):
+    text = tiny_plan_json
+    Plan.from_json(text)  # the intact file reads
+    with pytest.raises(PlanError):
+        Plan.from_json(mutate(text))
+
+
+def test_check_matches(tiny):
+    _, _, traced = tiny
+    cluster = Cluster.local(2)
+    p = autoshard.plan(traced, cluster)
+    p.check_matches(traced.fingerprint, cluster.to_json())
+    with pytest.raises(PlanMismatchError):
+        p.check_matches("0" * 16, cluster.to_json())
+    with pytest.raises(PlanMismatchError):
+        p.check_matches(traced.fingerprint, Cluster.local(4).to_json())
+
+
+def test_pin_every_parameter_s0(tiny):
+    model, _, traced = tiny
+    free = autoshard.plan(traced, Cluster.local(2))
+    pinned = autoshard.plan(traced, Cluster.local(2), constraints={"*": ["S(0)"]})
+    assert list(pinned.storage) == [n for n, _ in model.named_parameters()]
+    assert set(pinned.storage.values()) == {"(S(0))"}
+    # a constraint only removes options: never better than the free optimum
+    assert pinned.step_time >= free.step_time * (1 - 1e-9)
+
+
+def test_pin_one_parameter_and_inputs(tiny):
+    _, _, traced = tiny
+    p = autoshard.plan(traced, Cluster.local(2), constraints={"head.weight": "S(1)", "inputs": [["S(0)"], None]})
+    assert p.storage["head.weight"] == "(S(1))"
+    assert p.inputs[0] == "(S(0))"
+
+
+def test_pin_on_2d_mesh(tiny):
+    _, _, traced = tiny
+    p = autoshard.plan(traced, Cluster.local(4, (2, 2)), constraints={"blocks.*.fc.weight": ["S(0)", "R"]})
+    assert p.storage["blocks.0.fc.weight"] == p.storage["blocks.1.fc.weight"] == "(S(0),R)"
+
+
+@pytest.mark.parametrize("constraints, match", [
+    ({"nonexistent.*": ["S(0)"]}, "nonexistent"),
+    ({"*": ["X(0)"]}, "placement"),
+    ({"*": ["S(0)", "R"]}, "placements"),
+    ({"inputs": [["S(0)"]]}, "inputs"),
+    ({"head.weight": ["S(7)"]}, "head.weight"),
+])
+def test_bad_constraint_raises(tiny, constraints, match):
+    _, _, traced = tiny
+    with pytest.raises(ConstraintError, match=match):
+        autoshard.plan(traced, Cluster.local(2), constraints=constraints)
+
+
+def test_unsatisfiable_shape_constraint_raises(tiny):
+    _, _, traced = tiny
+    # hidden 64 does not split 3 ways
+    with pytest.raises(ConstraintError, match="ln_f.weight"):
+        autoshard.plan(traced, Cluster.local(3), constraints={"ln_f.weight": ["S(0)"]})

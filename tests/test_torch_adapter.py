@@ -1,0 +1,79 @@
+"""autoshard/_torch.py: every private torch name autoshard relies on resolves on this torch."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard import _torch
+
+
+@pytest.mark.parametrize("name", _torch.__all__)
+def test_every_exported_name_resolves(name):
+    obj = getattr(_torch, name)
+    assert obj is not None
+    assert callable(obj) or isinstance(obj, type), f"{name} resolved to a non-callable {obj!r}"
+
+
+def test_all_has_no_duplicates():
+    assert len(_torch.__all__) == len(set(_torch.__all__))
+
+
+def test_planning_mesh_2x8_needs_no_process_group():
+    import torch.distributed as dist
+
+    assert not (dist.is_available() and dist.is_initialized()), "tests of this file run without a process group"
+    mesh = _torch.planning_mesh((2, 8), ("node", "gpu"))
+    assert tuple(mesh.shape) == (2, 8)
+    assert mesh.ndim == 2
+    assert mesh.mesh_dim_names == ("node", "gpu")
+    assert mesh.size() == 16
+    assert torch.equal(mesh.mesh, torch.arange(16).view(2, 8))
+    # still no process group afterwards
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_planning_mesh_any_world_size():
+    mesh = _torch.planning_mesh((64,), ("d0",))
+    assert tuple(mesh.shape) == (64,) and mesh.size() == 64
+
+
+def test_sharding_propagator_has_mm_rule():
+    prop = _torch.sharding_propagator()
+    mm = torch.ops.aten.mm.default
+    assert mm in prop.op_single_dim_strategy_funcs or mm in prop.op_strategy_funcs
+
+
+def test_flop_formula_for_mm_matches_hand_count():
+    f = _torch.flop_formula(torch.ops.aten.mm.default)
+    assert f is not None
+    a, b = torch.empty(3, 5), torch.empty(5, 7)
+    assert f(a, b, out_val=torch.empty(3, 7)) == 2 * 3 * 5 * 7
+
+
+def test_flop_formula_unknown_op_is_none():
+    assert _torch.flop_formula(torch.ops.aten.mse_loss.default) is None
+
+
+def test_register_flop_formula_is_idempotent():
+    from autoshard.passes.rules import attention
+
+    before = _torch.flop_formula(attention.FWD)
+    assert before is not None
+    # a second registration of an op that already has a formula must not raise nor replace it
+    _torch.register_flop_formula([attention.FWD.overloadpacket], lambda *a, **k: 0)
+    assert _torch.flop_formula(attention.FWD) is before
+
+
+def test_is_data_dependent_error():
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    assert _torch.is_data_dependent_error(DataDependentOutputException(torch.ops.aten._local_scalar_dense.default))
+    assert not _torch.is_data_dependent_error(ValueError("shape mismatch"))
+
+
+def test_dtensor_spec_builds_on_planning_mesh():
+    mesh = _torch.planning_mesh((2,), ("d0",))
+    t = torch.empty(4, 6)
+    spec = _torch.DTensorSpec(mesh, (Shard(0),), _torch.TensorMeta(t.shape, t.stride(), t.dtype))
+    assert spec.placements == (Shard(0),)
+    assert _torch.DTensorSpec(mesh, (Replicate(),), spec.tensor_meta).placements == (Replicate(),)
