@@ -73,11 +73,11 @@ def test_gpt2_memory_by_hand(gpt2):
     inputs = sum(8 * 1024 * 8 / _shard_factor(pl, plan.mesh_shape) for pl in plan.inputs)
     assert plan.memory["inputs"] == pytest.approx(inputs, rel=1e-12)
     assert plan.memory["activations"] > 0
-    # parameter count by hand (the zoo's head is untied): embeddings, 12h^2 + 13h per block,
-    # final LayerNorm, head; sharding can only shrink the full fp32 copy
+    # parameter count by hand (the LM head is tied to the token embedding, as in GPT-2):
+    # embeddings, 12h^2 + 13h per block, final LayerNorm; sharding only shrinks the fp32 copy
     c = GPTConfig.gpt2_small()
     total = sum(p.numel() for p in params.values())
-    assert total == 2 * c.vocab * c.hidden + c.seq * c.hidden + c.layers * (12 * c.hidden**2 + 13 * c.hidden) \
+    assert total == c.vocab * c.hidden + c.seq * c.hidden + c.layers * (12 * c.hidden**2 + 13 * c.hidden) \
         + 2 * c.hidden
     assert plan.memory["params"] <= total * 4
 
@@ -121,7 +121,7 @@ def test_gpt2_plan_json_round_trip(gpt2):
 def test_gpt2_plan_summary(gpt2):
     plan = gpt2[3]
     text = plan.summary(max_rows=5)
-    assert "step" in text and "parameter storage" in text and "head.weight" in text
+    assert "step" in text and "parameter storage" in text and "wte.weight" in text
 
 
 # ---------------------------------------------------------------------------- tiny GPT
@@ -194,8 +194,8 @@ def test_pin_every_parameter_s0(tiny):
 
 def test_pin_one_parameter_and_inputs(tiny):
     _, _, traced = tiny
-    p = autoshard.plan(traced, Cluster.local(2), constraints={"head.weight": "S(1)", "inputs": [["S(0)"], None]})
-    assert p.storage["head.weight"] == "(S(1))"
+    p = autoshard.plan(traced, Cluster.local(2), constraints={"wte.weight": "S(1)", "inputs": [["S(0)"], None]})
+    assert p.storage["wte.weight"] == "(S(1))"
     assert p.inputs[0] == "(S(0))"
 
 
@@ -210,7 +210,7 @@ def test_pin_on_2d_mesh(tiny):
     ({"*": ["X(0)"]}, "placement"),
     ({"*": ["S(0)", "R"]}, "placements"),
     ({"inputs": [["S(0)"]]}, "inputs"),
-    ({"head.weight": ["S(7)"]}, "head.weight"),
+    ({"wte.weight": ["S(7)"]}, "wte.weight"),
 ])
 def test_bad_constraint_raises(tiny, constraints, match):
     _, _, traced = tiny
