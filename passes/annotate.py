@@ -69,13 +69,16 @@ def _flops(node: fx.Node) -> float:
 
 
 def phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """Backward = everything that depends on a tangent; the rest of the compute is forward."""
-    tangents = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
-    bwd: set[fx.Node] = set(tangents)
+    """Forward = the nodes before the first one that reads a tangent; backward = the rest.
+
+    By position, not by dataflow: autograd emits a few tangent-free nodes (detaches) among the
+    backward ops, and torch's partitioner splits the graph by position too."""
+    tangents = {n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
+    out, in_bwd = {}, False
     for n in gm.graph.nodes:
-        if n.op == "call_function" and any(a in bwd for a in n.all_input_nodes):
-            bwd.add(n)
-    return {n: ("input" if n.op == "placeholder" else "bwd" if n in bwd else "fwd") for n in gm.graph.nodes}
+        in_bwd = in_bwd or (n.op == "call_function" and any(a in tangents for a in n.all_input_nodes))
+        out[n] = "input" if n.op == "placeholder" else "bwd" if in_bwd else "fwd"
+    return out
 
 
 def annotate(gm: fx.GraphModule) -> None:

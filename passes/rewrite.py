@@ -23,12 +23,16 @@ import warnings
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Replicate
+import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from autoshard import _torch
+from autoshard.passes.annotate import phases
 from autoshard.passes.strategies import META_KEY, Strategy, tensor_inputs
 
-RECOMPUTE_KEY = "recompute"  # torch partitioner's tag; set by later passes from the plan
+ORIGIN = "autoshard.node"   # meta["custom"] key: the joint-graph node a local node implements
+PHASE = "autoshard.phase"   # meta["custom"] key: "fwd" or "bwd"
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -103,26 +107,37 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
         for node, t in zip(primal_nodes, primals):
             val = node.meta["val"]
             env[node] = DTensor.from_local(t, mesh, storage[node], run_check=False, shape=val.shape, stride=val.stride())
-        for node, t in zip(traced.tangents, tangents):
-            env[node] = DTensor.from_local(t, mesh, rep, run_check=False)
+        outs = [None] * len(traced.outputs)
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
+            if phase[node] == "bwd" and traced.tangents[0] not in env:
+                # wrapped only now, so nothing reading a tangent lands among forward nodes
+                with fx_traceback.annotate({PHASE: "bwd"}):
+                    for tnode, t in zip(traced.tangents, tangents):
+                        env[tnode] = DTensor.from_local(t, mesh, rep, run_check=False)
             ns = node.meta[META_KEY]
-            if ns.alias_of is not None:
-                env[node] = operator.getitem(env[node.args[0]], node.args[1])
-            else:
-                env[node] = _run_node(node, env, choice[node], mesh)
-        outs = [_to_placements(env[o], rep).to_local() for o in traced.outputs]
+            with fx_traceback.annotate({ORIGIN: node.name, PHASE: phase[node]}):
+                if ns.alias_of is not None:
+                    env[node] = operator.getitem(env[node.args[0]], node.args[1])
+                else:
+                    env[node] = _run_node(node, env, choice[node], mesh)
+                # Outputs become replicated right where they are made: the partitioner reads
+                # phases from graph order, so nothing of the forward may follow the backward.
+                for i, o in enumerate(traced.outputs):
+                    if o is node:
+                        outs[i] = _to_placements(env[o], rep).to_local()
         grads = []
-        for name, pnode in traced.params:
-            g = traced.grads.get(name)
-            grads.append(None if g is None else _to_placements(env[g], storage[pnode]).to_local())
+        with fx_traceback.annotate({PHASE: "bwd"}):
+            for name, pnode in traced.params:
+                g = traced.grads.get(name)
+                grads.append(None if g is None else _to_placements(env[g], storage[pnode]).to_local())
         return outs + grads
 
     n_tangents = len(traced.tangents)
     example_tangents = [torch.ones(()) if False else torch.ones_like(_local_out_example(traced, i)) for i in range(n_tangents)]
-    with torch.no_grad():
+    phase = phases(gm)
+    with torch.no_grad(), fx_traceback.preserve_node_meta():
         local = make_fx(joint, tracing_mode="fake")(list(local_primals), example_tangents)
     return local, len(traced.outputs)
 
@@ -132,9 +147,22 @@ def _local_out_example(traced, i: int) -> torch.Tensor:
     return torch.zeros(val.shape, dtype=val.dtype)
 
 
-def split(local: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Forward/backward split by torch's partitioner (it saves what backward needs and honours
-    ``node.meta["recompute"]`` tags)."""
+def split(local: fx.GraphModule, num_fwd_outputs: int, recompute: frozenset[str] = frozenset()
+          ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward/backward split by torch's partitioner: it saves the forward values backward reads,
+    except those of ``recompute`` (names of joint-graph nodes), which backward computes again.
+
+    Every local node carries its joint-graph node (``meta["custom"]``, from the trace above);
+    the partitioner learns the phase from ``partitioner_tag`` and what to recompute from torch's
+    activation-checkpointing tags."""
+    for node in local.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if node.op != "call_function" or PHASE not in custom:
+            continue
+        node.meta["partitioner_tag"] = "is_forward" if custom[PHASE] == "fwd" else "is_backward"
+        if custom[PHASE] == "fwd" and custom.get(ORIGIN) in recompute:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0
     placeholders = local.graph.find_nodes(op="placeholder")
     example = [n.meta.get("val") for n in placeholders]
     return _torch.default_partition(local, example, num_fwd_outputs=num_fwd_outputs)

@@ -16,13 +16,69 @@ from ortools.linear_solver import pywraplp
 from autoshard import costmodel
 from autoshard.errors import InfeasibleError, SolverError
 from autoshard.solver.formulation import Problem
+from autoshard.solver.memory import MemoryModel
 
 US = 1e6  # seconds -> microseconds
+MB = 2**20  # bytes -> MiB in the memory rows (keeps coefficients near the time terms' scale)
+
+
+@dataclass
+class _MemoryRows:
+    r: dict            # recompute binaries
+    parts: dict        # breakdown name -> [(var, bytes)]
+    terms: list        # the peak as [(var, bytes)]
+
+
+def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x) -> _MemoryRows:
+    """The memory block of DESIGN.md's ILP (formulas in solver/memory.py)."""
+    expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
+    r = {v: solver.BoolVar("") for v in mm.recomputable}
+    keep = {v: solver.BoolVar("") for v in mm.candidates}
+    avail = lambda u: keep[u] + r[u] if u in r else keep[u]  # noqa: E731
+
+    # validity: backward's inputs exist; a recomputed node's inputs exist; a view's base exists
+    for u in mm.needed:
+        solver.Add(avail(u) >= 1)
+    for v in mm.recomputable:
+        for u in mm.inputs_of[v]:
+            solver.Add(avail(u) >= r[v])
+    for v, u in mm.base_of.items():
+        solver.Add(avail(u) >= keep[v])
+
+    # recompute cost: rc_v >= sum_s c[v,s] x[v,s] - max_s c[v,s] (1 - r_v)
+    for v, rv in r.items():
+        c_max = max(problem.cost[v][s] for s in problem.allowed[v])
+        if c_max > 0:
+            rc = solver.NumVar(0, solver.infinity(), "")
+            solver.Add(rc >= solver.Sum([var * c for var, c in expr(problem.cost, v)]) - c_max * (1 - rv))
+            objective.SetCoefficient(rc, US)
+
+    # saved activations: saved_v >= sum_s act[v,s] x[v,s] - max_s act[v,s] (1 - keep_v)
+    saved_terms = []
+    for v, kv in keep.items():
+        a_max = max((mm.act[v][s] for s in problem.allowed[v]), default=0.0)
+        if a_max > 0:
+            sv = solver.NumVar(0, solver.infinity(), "")
+            solver.Add(sv >= solver.Sum([var * (a / MB) for var, a in expr(mm.act, v)]) - (a_max / MB) * (1 - kv))
+            saved_terms.append((sv, MB))
+
+    # transient working set: T >= sum_s work[v,s] x[v,s] for every op
+    t = solver.NumVar(0, solver.infinity(), "")
+    for v in mm.work:
+        solver.Add(t >= solver.Sum([var * (w / MB) for var, w in expr(mm.work, v)]))
+
+    state_terms = [term for v in mm.state for term in expr(mm.state, v)]
+    terms = state_terms + saved_terms + [(t, MB)]
+    # peak <= limit
+    solver.Add(solver.Sum([var * (c / MB) for var, c in terms]) <= mm.limit / MB)
+    return _MemoryRows(r, {"state": state_terms, "activations": saved_terms, "transient": [(t, MB)]}, terms)
 
 
 @dataclass
 class Solution:
     choice: dict[fx.Node, int]     # decision node -> strategy index
+    recompute: set                 # forward nodes recomputed in backward
+    memory: dict                   # predicted per-device bytes: state, activations, transient
     objective: float               # seconds
     bound: float                   # seconds (best proven lower bound)
     status: str                    # "optimal" | "feasible"
@@ -57,7 +113,9 @@ def _edge_cost(problem: Problem, e, x) -> tuple[list, list]:
     return [], [(src, dst, r)]
 
 
-def solve(problem: Problem, cluster, *, time_limit: float = 60.0, backend: str = "HIGHS") -> Solution:
+def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_limit: float = 60.0,
+          backend: str = "HIGHS", minimize: str = "time") -> Solution:
+    """``minimize="memory"`` finds the smallest feasible peak instead (for infeasibility reports)."""
     start = time.perf_counter()
     costmodel.set_resharding_cluster(cluster)
     solver = pywraplp.Solver.CreateSolver(backend)
@@ -92,17 +150,27 @@ def solve(problem: Problem, cluster, *, time_limit: float = 60.0, backend: str =
             for p, ss in dst.items():
                 solver.Add(solver.Sum([y[q, p] for q in src]) == solver.Sum([x[e.dst, s] for s in ss]))
 
+    mem = _memory_rows(solver, objective, problem, memory, x) if memory is not None else None
+    if minimize == "memory":
+        objective.Clear()
+        for var, coef in mem.terms:
+            objective.SetCoefficient(var, objective.GetCoefficient(var) + coef / MB)
     objective.SetMinimization()
     status = solver.Solve()
     elapsed = time.perf_counter() - start
     if status == pywraplp.Solver.INFEASIBLE:
-        raise InfeasibleError("no sharding satisfies the constraints (pinned placements conflict)")
+        raise InfeasibleError("no plan satisfies the constraints and the memory limit")
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise SolverError(f"{backend} found no plan within {time_limit:.0f}s (status {status}); raise time_limit")
     choice = {}
     for v in problem.nodes:
         allowed = problem.allowed[v]
         choice[v] = max(allowed, key=lambda s: x[v, s].solution_value())
-    return Solution(choice, objective.Value() / US, objective.BestBound() / US,
+    recompute, breakdown = set(), {}
+    if mem is not None:
+        recompute = {v for v, var in mem.r.items() if var.solution_value() > 0.5}
+        breakdown = {k: sum(var.solution_value() * c for var, c in terms) for k, terms in mem.parts.items()}
+    scale = US if minimize == "time" else 1 / MB
+    return Solution(choice, recompute, breakdown, objective.Value() / scale, objective.BestBound() / scale,
                     "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", elapsed, backend,
                     solver.NumVariables(), solver.NumConstraints())

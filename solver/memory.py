@@ -1,0 +1,113 @@
+"""memory: what each decision costs in per-device bytes, and which activations may be recomputed.
+
+    peak = sum_{v,s} state[v,s] x[v,s]            parameters + gradients + optimizer state
+                                                   (by storage placement), and the inputs
+         + sum_v saved_v                           activations kept for backward, where
+             saved_v >= sum_s act[v,s] x[v,s] - max_s act[v,s] (1 - keep_v)
+         + T,  T >= sum_s work[v,s] x[v,s]         the largest op's working set (for all v)
+         <= limit
+
+All saved activations are live together when backward starts, so their sum is the activation
+peak. ``keep_v`` (save v for backward) and ``r_v`` (recompute v in backward) obey
+Checkmate-style validity:
+
+    keep_u + r_u >= 1        for every forward value u that backward reads
+    keep_u + r_u >= r_v      for every forward input u of a recomputed v
+    keep_u + r_u >= keep_v   when v is a view of u (a view holds its base's memory)
+
+Recomputing v costs its compute again: rc_v >= sum_s c[v,s] x[v,s] - max_s c[v,s] (1 - r_v).
+Views and getitems alias their input and cost no bytes of their own; parameters and inputs are
+always available. Resharding a recomputed node's inputs again is not charged (approximation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autoshard import costmodel
+from autoshard.passes.annotate import META_KEY as COST_KEY, _is_free
+from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
+
+
+@dataclass
+class MemoryModel:
+    limit: float
+    state: dict[fx.Node, list[float]] = field(default_factory=dict)
+    act: dict[fx.Node, list[float]] = field(default_factory=dict)
+    work: dict[fx.Node, list[float]] = field(default_factory=dict)
+    needed: list[fx.Node] = field(default_factory=list)       # forward values backward reads
+    recomputable: list[fx.Node] = field(default_factory=list)
+    inputs_of: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    base_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
+
+    @property
+    def candidates(self) -> list[fx.Node]:
+        """Forward nodes that get a keep variable."""
+        seen = dict.fromkeys(self.needed)
+        for v in self.recomputable:
+            seen.update(dict.fromkeys(self.inputs_of[v]))
+            seen[v] = None
+        seen.update(dict.fromkeys(self.base_of))
+        seen.update(dict.fromkeys(self.base_of.values()))
+        return list(seen)
+
+
+def _outputs_bytes(node: fx.Node) -> list[float]:
+    val = node.meta["val"]
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return [costmodel.tensor_nbytes(v) if isinstance(v, torch.Tensor) else 0.0 for v in vals]
+
+
+def _local_outputs(node: fx.Node, mesh_shape) -> list[float]:
+    sizes = _outputs_bytes(node)
+    return [sum(costmodel.local_bytes(b, s.outputs[k] if k < len(s.outputs) else None, mesh_shape)
+                for k, b in enumerate(sizes)) for s in node.meta[META_KEY].strategies]
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    return value_of(node)[0]
+
+
+def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float) -> MemoryModel:
+    """optimizer_factor: optimizer-state bytes per parameter byte (Adam: 2)."""
+    mesh = cluster.mesh_shape
+    mm = MemoryModel(limit)
+    params = {node for _, node in traced.params}
+    for node in params:
+        mm.state[node] = [b * (2.0 + optimizer_factor) for b in _local_outputs(node, mesh)]
+    for node in traced.inputs:
+        mm.state[node] = _local_outputs(node, mesh)
+
+    fwd = [v for v in problem.nodes if v.op == "call_function" and v.meta[COST_KEY].phase == "fwd"]
+    fwd_set = set(fwd)
+    for v in problem.nodes:
+        if v.op == "call_function":
+            cost = v.meta[COST_KEY]
+            mm.work[v] = [cost.bytes / s.shards for s in v.meta[META_KEY].strategies]
+    for v in fwd:
+        free = _is_free(v)
+        mm.act[v] = [0.0] * len(v.meta[META_KEY].strategies) if free else _local_outputs(v, mesh)
+        producers = [_producer(a) for a in tensor_inputs(v)]
+        mm.inputs_of[v] = [u for u in dict.fromkeys(producers) if u in fwd_set]
+        if free and mm.inputs_of[v]:
+            mm.base_of[v] = mm.inputs_of[v][0]
+        if not _is_random(v):
+            mm.recomputable.append(v)
+
+    needed: dict[fx.Node, None] = {}
+    for n in traced.gm.graph.nodes:
+        if n.op == "call_function" and n.meta[COST_KEY].phase == "bwd":
+            for a in tensor_inputs(n):
+                u = _producer(a)
+                if u in fwd_set:
+                    needed.setdefault(u)
+    mm.needed = list(needed)
+    return mm
+
+
+def _is_random(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and getattr(schema, "is_nondeterministic_seeded", False)) or "rand" in str(node.target)
