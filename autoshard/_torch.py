@@ -37,12 +37,14 @@ from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: F401
 )
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 from torch.utils import flop_counter
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only  # noqa: F401
 
 __all__ = [
     "aot_export_joint_with_descriptors", "default_partition", "FakeTensorMode", "DTensorSpec",
     "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "TupleStrategy", "RuntimeSchemaInfo",
     "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "sharding_propagator",
     "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
+    "tree_leaves", "tree_map", "tree_map_only",
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -11,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch, costmodel
 from autoshard.cluster import Cluster
-from autoshard.errors import ClusterError, PlanMismatchError, TraceError
+from autoshard.errors import ClusterError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
 from autoshard.passes.rewrite import local_joint, split
 from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
@@ -19,6 +20,7 @@ from autoshard.passes.trace import TracedModel, trace as _trace
 from autoshard.plan import NodeDecision, Plan
 from autoshard.runtime import DistributedModule
 from autoshard.solver.formulation import formulate
+from autoshard.solver.memory import memory_model
 from autoshard.solver.solve import solve
 
 OPTIMIZER_STATE_PER_PARAM_BYTE = 2.0  # Adam/AdamW: two moments in the parameter's dtype
@@ -43,70 +45,108 @@ def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool):
 
 
 def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | None = None,
-         strict: bool = False, time_limit: float = 120.0) -> Plan:
+         memory_limit: float | None = None, recompute: bool = True, strict: bool = False,
+         time_limit: float = 120.0) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
-    :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch."""
+    :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
+
+    ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
+    predicted peak; ``recompute=False`` forbids recomputing activations. Raises
+    :class:`~autoshard.errors.InfeasibleError` with ``min_memory`` when no plan fits."""
     t0 = time.perf_counter()
     traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
     t1 = time.perf_counter()
-    problem = formulate(traced, cluster, constraints)
-    solution = solve(problem, cluster, time_limit=time_limit)
-    result = _make_plan(traced, cluster, problem, solution, fallbacks)
+    problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit)
+    result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
     result.stats = {"trace_strategies_s": t1 - t0, "solve_s": solution.solve_time, "total_s": time.perf_counter() - t0}
     return result
 
 
-def _make_plan(traced, cluster, problem, solution, fallbacks) -> Plan:
+def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit):
+    problem = formulate(traced, cluster, constraints)
+    limit = float(cluster.memory_limit if memory_limit is None else memory_limit)
+    mm = memory_model(traced, problem, cluster, limit, OPTIMIZER_STATE_PER_PARAM_BYTE)
+    if not recompute:
+        mm.recomputable = []
+    try:
+        return problem, solve(problem, cluster, mm, time_limit=time_limit), limit
+    except InfeasibleError:
+        mm.limit = float("inf")
+        least = solve(problem, cluster, mm, time_limit=time_limit, minimize="memory")
+        need = float(math.ceil(least.objective * (1 + 1e-9)))  # the ILP's own minimum: feasible as a limit
+        parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
+        top = max(least.memory, key=least.memory.get)
+        what = {"state": "parameters, gradients and optimizer state", "activations": "activations saved for backward",
+                "transient": "the largest single op's working set"}[top]
+        raise InfeasibleError(
+            f"no plan fits {_gib(limit)} per device; the smallest peak any plan reaches is "
+            f"{_gib(need)} ({parts}), dominated by {what}. Raise memory_limit to at least "
+            f"{_gib(need)}, use more devices{'' if recompute else ', allow recompute'}, or shrink the "
+            f"batch", min_memory=need) from None
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Plan:
     choice = {n: n.meta[META_KEY].strategies[s] for n, s in solution.choice.items()}
     comm: dict[str, list[dict]] = {}
+    edges = []
     for e in problem.edges:
         src = choice[e.src].outputs[e.src_out]
         dst = e.fixed if e.dst is None else e.dst_in[solution.choice[e.dst]]
         where = "output" if e.dst is None else e.dst.name
+        edges.append((e.src.name, where))
         for c in costmodel.resharding(cluster, src, dst, e.nbytes):
             comm.setdefault(where, []).append({"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time})
-    nodes, compute = [], 0.0
+    nodes, compute, recompute_time = [], 0.0, 0.0
     for n, s in choice.items():
         t = problem.cost[n][solution.choice[n]]
         compute += t
+        again = n in solution.recompute
+        recompute_time += t if again else 0.0
         nodes.append(NodeDecision(n.name, str(n.target) if n.op == "call_function" else n.op, str(s), t,
-                                  n.meta[COST_KEY].phase, comm.get(n.name, [])))
+                                  n.meta[COST_KEY].phase, comm.get(n.name, []), recompute=again))
     if "output" in comm:
         nodes.append(NodeDecision("output", "output", "->(R)", 0.0, "fwd", comm["output"]))
     comm_time = sum(c["time"] for cs in comm.values() for c in cs)
-    memory = _memory(traced, choice, cluster)
+    # itemized so the parts add up to the peak: the ILP's "state" is params+grads+optimizer+inputs
+    memory = {**_state_detail(traced, choice, cluster), "activations": solution.memory["activations"],
+              "transient": solution.memory["transient"]}
+    peak = sum(memory.values())
+    step = compute + comm_time + recompute_time
     return Plan(
         fingerprint=traced.fingerprint, cluster=cluster.to_json(), mesh_shape=tuple(cluster.mesh_shape),
         mesh_dim_names=tuple(cluster.mesh_dim_names), nodes=nodes,
         storage={name: _pl(choice[node].outputs[0]) for name, node in traced.params},
         inputs=[_pl(choice[node].outputs[0]) for node in traced.inputs],
-        step_time=compute + comm_time, compute_time=compute, comm_time=comm_time,
-        peak_memory=sum(memory.values()), memory=memory, fallbacks=[tuple(f) for f in fallbacks],
+        step_time=step, compute_time=compute, comm_time=comm_time,
+        peak_memory=peak, memory=memory, fallbacks=[tuple(f) for f in fallbacks],
         solver={"status": solution.status, "objective": solution.objective, "bound": solution.bound,
                 "gap": solution.gap, "backend": solution.backend,
-                "variables": solution.num_variables, "constraints": solution.num_constraints})
+                "variables": solution.num_variables, "constraints": solution.num_constraints},
+        edges=edges, memory_limit=limit, mfu=_mfu(traced, cluster, step),
+        breakdown={"compute": compute, "exposed_comm": comm_time, "recompute": recompute_time})
 
 
-def _memory(traced, choice, cluster) -> dict[str, float]:
-    """Per-device bytes: parameters, gradients and Adam state by storage placement, plus forward
-    activations that backward reads (by their placement) and the inputs."""
+def _mfu(traced, cluster, step_time: float) -> float | None:
+    """Model FLOPs (forward + backward ops of the joint graph, each once) over what the devices
+    could do in the predicted step at their peak for the model's dtype."""
+    flops = sum(n.meta[COST_KEY].flops for n in traced.gm.graph.nodes if COST_KEY in n.meta)
+    dtype = traced.gm.graph.find_nodes(op="placeholder")[0].meta["val"].dtype if traced.params else torch.float32
+    if step_time <= 0:
+        return None
+    return flops / (step_time * cluster.peak_flops(dtype) * cluster.world_size)
+
+
+def _state_detail(traced, choice, cluster) -> dict[str, float]:
+    """Per-device bytes of the persistent state, itemized (the ILP's "state" is their sum)."""
     mesh = cluster.mesh_shape
-    local = lambda node, k=0: costmodel.local_bytes(  # noqa: E731
-        costmodel.tensor_nbytes(_val(node, k)), choice[node].outputs[k], mesh)
+    local = lambda node: costmodel.local_bytes(costmodel.tensor_nbytes(_val(node, 0)), choice[node].outputs[0], mesh)  # noqa: E731
     params = sum(local(node) for _, node in traced.params)
-    saved = 0.0
-    for node in traced.gm.graph.nodes:
-        if node.op != "call_function" or node.meta[COST_KEY].phase != "fwd" or node.meta[META_KEY].alias_of is not None:
-            continue
-        users = [u for u in node.users if u.op == "call_function"]
-        used_in_bwd = any(u.meta[COST_KEY].phase == "bwd" or (u.meta[META_KEY].alias_of is not None and any(
-            w.op == "call_function" and w.meta[COST_KEY].phase == "bwd" for w in u.users)) for u in users)
-        if used_in_bwd and costmodel.tensor_nbytes(_val(node, 0)) > 0:
-            outs = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-            saved += sum(local(node, k) for k, v in enumerate(outs) if isinstance(v, torch.Tensor))
-    inputs = sum(local(node) for node in traced.inputs)
     return {"params": params, "grads": params, "optimizer": params * OPTIMIZER_STATE_PER_PARAM_BYTE,
-            "activations": saved, "inputs": inputs}
+            "inputs": sum(local(node) for node in traced.inputs)}
 
 
 def _val(node, k):
@@ -130,7 +170,8 @@ def _choice_from_plan(traced, the_plan: Plan) -> dict:
 
 
 def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: dict | None = None,
-            plan: Plan | None = None, strict: bool = False, time_limit: float = 120.0) -> DistributedModule:
+            plan: Plan | None = None, memory_limit: float | None = None, recompute: bool = True,
+            strict: bool = False, time_limit: float = 120.0) -> DistributedModule:
     """Plan (unless ``plan`` is given) and build this rank's module. Call on every rank of an
     initialized process group whose world size is ``cluster.world_size``."""
     if not dist.is_available() or not dist.is_initialized():
@@ -147,10 +188,14 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         # Rank 0 plans and everyone runs its plan: ranks must never disagree on a tie.
         box = [None]
         if dist.get_rank() == 0:
-            problem = formulate(traced, cluster, constraints)
-            solution = solve(problem, cluster, time_limit=time_limit)
-            box = [_make_plan(traced, cluster, problem, solution, fallbacks).to_json()]
+            try:
+                problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit)
+                box = [_make_plan(traced, cluster, problem, solution, fallbacks, limit).to_json()]
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
+                box = [exc]
         dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
         plan = Plan.from_json(box[0])
     plan.check_matches(traced.fingerprint, cluster.to_json())
     choice = _choice_from_plan(traced, plan)
@@ -180,5 +225,5 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
                 shape[p.dim] //= m
         local_primals.append(torch.zeros(shape, dtype=val.dtype, device=device))
     joint, n_out = local_joint(traced, choice, mesh, local_primals)
-    fw, bw = split(joint, n_out)
+    fw, bw = split(joint, n_out, frozenset(n.name for n in plan.nodes if n.recompute))
     return DistributedModule(plan, mesh, fw, bw, n_out, params, buffers, input_pl, traced.input_meta)

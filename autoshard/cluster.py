@@ -17,7 +17,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -182,6 +182,65 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# --- memory formulas (REFERENCE.md) ------------------------------------------------------------
+# Bytes per parameter of training state, by precision: the parameter as the model computes with
+# it, its gradient, and the fp32 master copy that mixed precision keeps (fp32 training has none).
+_STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "master": 0},
+                "bf16-mixed": {"params": 2, "grads": 2, "master": 4}}
+# Optimizer state per parameter, kept in fp32: Adam/AdamW two moments, SGD with momentum one.
+_OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4}
+
+
+def training_state_bytes(num_params: float, precision: str = "fp32", optimizer: str = "adam", *,
+                         fp32_grads: bool = False, breakdown: bool = False) -> float | dict[str, float]:
+    """Bytes of parameters + gradients + master weights + optimizer state for ``num_params``
+    parameters, unsharded (divide by the shards of a ZeRO/FSDP placement). Per parameter::
+
+        fp32 training, Adam           4 param + 4 grad + 8 moments               = 16
+        bf16 mixed precision, Adam    2 param + 2 grad + 4 fp32 master + 8 moments = 16
+
+    ``fp32_grads``: gradients kept/reduced in fp32 under mixed precision (+2 bytes).
+    ``breakdown``: a dict {params, grads, master, optimizer, total} instead of the total.
+
+    >>> training_state_bytes(6.74e9, "bf16-mixed") / 1e9   # Llama-2 7B with AdamW: ~108 GB
+    107.84
+    """
+    if precision not in _STATE_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(_STATE_BYTES)}")
+    if optimizer not in _OPTIMIZER_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(_OPTIMIZER_BYTES)}")
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params}")
+    per = dict(_STATE_BYTES[precision], optimizer=_OPTIMIZER_BYTES[optimizer])
+    if fp32_grads:
+        per["grads"] = 4
+    parts = {k: float(v * num_params) for k, v in per.items()}
+    parts["total"] = sum(parts.values())
+    return parts if breakdown else parts["total"]
+
+
+def transformer_activation_bytes(hidden: int, heads: int, seq: int, batch: int, layers: int, *,
+                                 recompute: bool = False, fused_attention: bool = False) -> float:
+    """Activations a transformer saves for backward, 16-bit, no tensor/sequence parallelism
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+    eq. 1; REFERENCE.md). Per layer, per token::
+
+        34 h + 5 a s     bytes   (h hidden, a heads, s sequence length)
+        34 h             with fused attention (flash attention recomputes the a*s*s scores)
+         2 h             with full recompute (only each layer's input is kept)
+
+    times ``seq * batch * layers``. Counts the layers only, not embeddings or the loss.
+    """
+    for name, v in (("hidden", hidden), ("heads", heads), ("seq", seq), ("batch", batch), ("layers", layers)):
+        if not _is_count(v):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if recompute:
+        per_token = 2 * hidden
+    else:
+        per_token = 34 * hidden + (0 if fused_attention else 5 * heads * seq)
+    return float(per_token * seq * batch * layers)
+
+
 def calibration_path() -> Path:
     """Where :meth:`Cluster.local` looks for saved calibration: $AUTOSHARD_CALIBRATION, else
     ~/.cache/autoshard/calibration.json."""
@@ -195,11 +254,13 @@ class Cluster:
 
     ``ranks_per_node`` says how many ranks share a host (presets: the GPUs per node; default: all
     ranks on one host); it does not change any cost here and travels with the JSON.
+    ``calibration``: what :meth:`calibrate` measured (raw figures and every per-collective fit),
+    as a JSON-able dict, or None; it travels with the JSON (only when present) and costs nothing.
     """
 
     def __init__(self, mesh_shape: Sequence[int] | int, mesh_dim_names: Sequence[str] | None = None,
                  device: DeviceSpec | None = None, links: Sequence[LinkSpec] | None = None, *,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, calibration: dict | None = None):
         shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
         if not shape:
             raise ClusterError("mesh_shape is empty; give at least one dimension, e.g. (world_size,)")
@@ -238,6 +299,9 @@ class Cluster:
         self.ranks_per_node = self.world_size if ranks_per_node is None else ranks_per_node
         if not _is_count(self.ranks_per_node):
             raise ClusterError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        if calibration is not None and not isinstance(calibration, dict):
+            raise ClusterError(f"calibration must be a dict (JSON-able) or None, got {type(calibration).__name__}")
+        self.calibration: dict | None = calibration
 
     # --- constructors ------------------------------------------------------------------------
     @classmethod
@@ -261,7 +325,11 @@ class Cluster:
         except ClusterError as e:
             raise ClusterError(f"calibration file {path}: {e}; delete it or re-run calibration") from e
         mesh = saved.with_mesh(shape)
-        return cls(shape, mesh.mesh_dim_names, mesh.device, mesh.links, ranks_per_node=world_size)
+        device = mesh.device
+        if (saved.calibration or {}).get("device_type") == "cpu":
+            # A CPU calibration measured host memory split over its ranks; split it over these.
+            device = replace(device, memory=device.memory * saved.ranks_per_node / world_size)
+        return cls(shape, mesh.mesh_dim_names, device, mesh.links, ranks_per_node=world_size)
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1) -> Cluster:
@@ -273,6 +341,16 @@ class Cluster:
         p = PRESETS[name]
         return cls((nodes, p.gpus_per_node), ("node", "gpu"), p.device, [p.inter, p.intra],
                    ranks_per_node=p.gpus_per_node)
+
+    @classmethod
+    def calibrate(cls, process_group=None, *, save: str | os.PathLike | None = None, **options) -> Cluster:
+        """Measure the machine of a live process group (default WORLD): matmul FLOP/s, memory
+        bandwidth, kernel launch floor, and alpha/beta of every collective per mesh dim by a
+        least-squares fit. Call on every rank; all ranks get the same Cluster; ``save`` writes
+        its JSON on rank 0. Details and ``options``: :func:`autoshard.calibrate.calibrate`."""
+        from autoshard.calibrate import calibrate
+
+        return calibrate(process_group, save=save, **options)
 
     def with_mesh(self, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None = None) -> Cluster:
         """Same hardware, another logical mesh. Links stay per dim when the number of dims is
@@ -379,6 +457,8 @@ class Cluster:
         doc = {"schema": SCHEMA, "mesh_shape": list(self.mesh_shape),
                "mesh_dim_names": list(self.mesh_dim_names), "ranks_per_node": self.ranks_per_node,
                "device": asdict(self.device), "links": [asdict(l) for l in self.links]}
+        if self.calibration is not None:
+            doc["calibration"] = self.calibration
         return json.dumps(doc, sort_keys=True, indent=2)
 
     @classmethod
@@ -393,7 +473,8 @@ class Cluster:
                                "regenerate it with Cluster.to_json()")
         try:
             return cls(doc["mesh_shape"], doc["mesh_dim_names"], DeviceSpec(**doc["device"]),
-                       [LinkSpec(**l) for l in doc["links"]], ranks_per_node=doc["ranks_per_node"])
+                       [LinkSpec(**l) for l in doc["links"]], ranks_per_node=doc["ranks_per_node"],
+                       calibration=doc.get("calibration"))
         except (KeyError, TypeError) as e:
             raise ClusterError(f"cluster JSON is missing or has a malformed field ({e!r}); "
                                "regenerate it with Cluster.to_json()") from e

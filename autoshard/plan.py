@@ -1,14 +1,24 @@
-"""Plan: what the solver chose, what it costs, and how to read it (table, JSON).
+"""Plan: what the solver chose, what it costs, and how to read it (table, JSON, DOT, HTML, diff).
 
 A plan names nodes of the traced joint graph; its ``fingerprint`` (graph) and ``cluster``
 fingerprint tie it to one model, input shapes and cluster, so a plan is never run on another.
+Rendering (text tables, Graphviz DOT, the HTML report) lives in :mod:`autoshard.report`; this
+module holds the data, its JSON form and the checks on it.
+
+>>> plan = autoshard.plan(model, Cluster.preset("dgx-h100", nodes=2), inputs)   # doctest: +SKIP
+>>> plan.save("plan.json"); Plan.load("plan.json") == plan                     # doctest: +SKIP
+True
+>>> print(plan.summary(max_rows=10))       # header, top nodes by phase, storage, memory  # doctest: +SKIP
+>>> plan.save_html("plan.html")            # graph + tables + memory plot, no network   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -43,8 +53,9 @@ class NodeDecision:
     op: str
     strategy: str                  # "(in placements),...->(out placements)" per mesh dim
     compute: float                 # seconds
-    phase: str
+    phase: str                     # input | fwd | bwd | optim
     comm: list[dict] = field(default_factory=list)   # collectives before this node: kind, mesh_dim, bytes, time
+    recompute: bool = False        # forward activation recomputed in backward instead of saved
 
 
 @dataclass
@@ -63,7 +74,13 @@ class Plan:
     memory: dict[str, float]       # breakdown: params, grads, optimizer, activations
     fallbacks: list[tuple[str, str]]
     solver: dict                   # status, objective, bound, gap, time, backend, sizes
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict, compare=False)   # timings: not saved, not compared
+    edges: list[tuple[str, str]] = field(default_factory=list)  # (producer, consumer) node names
+    memory_limit: float | None = None                          # bytes per device the plan was held to
+    # (node name, predicted live bytes per device after that node), forward then backward
+    memory_timeline: list[tuple[str, float]] = field(default_factory=list)
+    mfu: float | None = None                                   # model FLOPs / (step time * peak), 0..1
+    breakdown: dict = field(default_factory=dict)              # seconds: compute, exposed comm, recompute
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:
@@ -73,22 +90,48 @@ class Plan:
         return json.dumps(d, sort_keys=True, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str | bytes) -> "Plan":
+        """Read :meth:`to_json` text back; anything else raises :class:`PlanError` saying what is wrong."""
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise PlanError(f"not a plan file: invalid JSON ({exc})") from exc
         if not isinstance(d, dict) or d.get("schema") != SCHEMA_VERSION:
             raise PlanError(f"unsupported plan schema {d.get('schema') if isinstance(d, dict) else None!r}; "
                             f"this autoshard reads schema {SCHEMA_VERSION}: re-plan the model")
         d.pop("schema")
         try:
+            _check_doc(d)
             d["nodes"] = [NodeDecision(**n) for n in d["nodes"]]
             d["mesh_shape"], d["mesh_dim_names"] = tuple(d["mesh_shape"]), tuple(d["mesh_dim_names"])
             d["fallbacks"] = [tuple(f) for f in d["fallbacks"]]
+            d["edges"] = [tuple(e) for e in d.get("edges", [])]
+            d["memory_timeline"] = [tuple(t) for t in d.get("memory_timeline", [])]
             return cls(**d)
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"corrupt plan file: {exc}") from exc
+
+    def save(self, path) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        """Read a plan saved by :meth:`save`; a missing, unreadable or corrupt file raises PlanError."""
+        try:
+            text = Path(path).read_bytes()
+        except OSError as exc:
+            raise PlanError(f"cannot read plan file {path}: {exc.strerror or exc}") from exc
+        try:
+            return cls.from_json(text)
+        except PlanError as exc:
+            raise PlanError(f"{path}: {exc}") from exc
+
+    @property
+    def cluster_fingerprint(self) -> str:
+        from autoshard.cluster import Cluster
+
+        return Cluster.from_json(self.cluster).fingerprint()
 
     def check_matches(self, fingerprint: str, cluster_json: str) -> None:
         if fingerprint != self.fingerprint:
@@ -109,37 +152,156 @@ class Plan:
             self._index = {n.name: n for n in self.nodes}
         return self._index
 
-    def summary(self, *, max_rows: int = 40) -> str:
-        """A table of the most expensive nodes, with a header of predicted totals (also printed
-        by rich when it is a terminal)."""
-        from rich.console import Console
-        from rich.table import Table
+    def summary(self, max_rows: int | None = 40, *, expand: bool = False, width: int = 160) -> str:
+        """Plain-text tables (rich layout, no colour codes): a header of predicted totals (step
+        time, MFU, peak memory vs cap, solver status and gap), the ``max_rows`` most expensive
+        nodes grouped by phase (``expand=True``: every node), parameter storage and memory."""
+        from autoshard import report
 
-        gib = 2**30
-        head = (f"step {self.step_time * 1e3:.2f} ms (compute {self.compute_time * 1e3:.2f}, comm "
-                f"{self.comm_time * 1e3:.2f}) | peak {self.peak_memory / gib:.2f} GiB/device | mesh "
-                f"{dict(zip(self.mesh_dim_names, self.mesh_shape))} | solver {self.solver['status']} "
-                f"gap {self.solver['gap']:.1%}")
-        table = Table(title=head, title_justify="left")
-        for col in ("node", "op", "placements (in -> out)", "compute us", "comm"):
-            table.add_column(col)
-        rows = sorted(self.nodes, key=lambda n: -(n.compute + sum(c["time"] for c in n.comm)))[:max_rows]
-        for n in rows:
-            comm = ", ".join(f"{c['kind']}@{self.mesh_dim_names[c['mesh_dim']]} {c['bytes'] / 2**20:.1f}MiB "
-                             f"{c['time'] * 1e6:.0f}us" for c in n.comm)
-            table.add_row(n.name, n.op, n.strategy, f"{n.compute * 1e6:.1f}", comm)
-        storage = Table(title="parameter storage", title_justify="left")
-        storage.add_column("parameter")
-        storage.add_column("placements")
-        for name, pl in self.storage.items():
-            storage.add_row(name, pl)
-        console = Console(width=160, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
-        console.print(table)
-        console.print(storage)
-        if self.fallbacks:
-            console.print("replicated for lack of a rule: " + "; ".join(f"{n} ({r})" for n, r in self.fallbacks))
-        return console.export_text()
+        return report.summary_text(self, max_rows=None if expand else max_rows, width=width)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT: nodes coloured by output placement, collectives on the edges into
+        their consumer, recomputed nodes dashed."""
+        from autoshard import report
+
+        return report.to_dot(self)
+
+    def to_html(self, *, max_rows: int | None = 200) -> str:
+        from autoshard import report
+
+        return report.to_html(self, max_rows=max_rows)
+
+    def save_html(self, path, *, max_rows: int | None = 200) -> None:
+        """One self-contained HTML file (no network, no scripts): the graph as inline SVG, the
+        summary tables and a plot of predicted per-device memory over the step."""
+        Path(path).write_text(self.to_html(max_rows=max_rows), encoding="utf-8")
+
+    def diff(self, other: "Plan") -> "PlanDiff":
+        """What differs from ``other``: node strategies and recompute marks, parameter storage,
+        and the predicted time and memory (``other`` minus ``self``)."""
+        mine, theirs = self._by_name(), other._by_name()
+        changed = [NodeChange(n.name, n.op, n.strategy, theirs[n.name].strategy, n.recompute, theirs[n.name].recompute)
+                   for n in self.nodes if n.name in theirs
+                   and (n.strategy, n.recompute) != (theirs[n.name].strategy, theirs[n.name].recompute)]
+        keys = list(self.storage) + [k for k in other.storage if k not in self.storage]
+        storage = {k: (self.storage.get(k), other.storage.get(k)) for k in keys
+                   if self.storage.get(k) != other.storage.get(k)}
+        mem_keys = list(self.memory) + [k for k in other.memory if k not in self.memory]
+        return PlanDiff(
+            same_graph=self.fingerprint == other.fingerprint, same_cluster=self.cluster == other.cluster,
+            nodes=changed, only_in_a=[n.name for n in self.nodes if n.name not in theirs],
+            only_in_b=[n.name for n in other.nodes if n.name not in mine], storage=storage,
+            step_time=(self.step_time, other.step_time), compute_time=(self.compute_time, other.compute_time),
+            comm_time=(self.comm_time, other.comm_time), peak_memory=(self.peak_memory, other.peak_memory),
+            memory={k: (self.memory.get(k, 0.0), other.memory.get(k, 0.0)) for k in mem_keys})
 
     def __repr__(self) -> str:
         return (f"Plan(step_time={self.step_time * 1e3:.3f} ms, peak_memory={self.peak_memory / 2**30:.2f} GiB, "
                 f"mesh={self.mesh_shape}, nodes={len(self.nodes)}, fallbacks={len(self.fallbacks)})")
+
+
+@dataclass
+class NodeChange:
+    name: str
+    op: str
+    a: str                  # strategy in the first plan
+    b: str                  # strategy in the second
+    recompute_a: bool = False
+    recompute_b: bool = False
+
+
+@dataclass
+class PlanDiff:
+    """``a.diff(b)``: pairs are (a, b); deltas are b - a."""
+
+    same_graph: bool
+    same_cluster: bool
+    nodes: list[NodeChange]                     # nodes in both whose strategy or recompute differ
+    only_in_a: list[str]
+    only_in_b: list[str]
+    storage: dict[str, tuple]                   # parameter -> (a placements, b placements), differing only
+    step_time: tuple[float, float]
+    compute_time: tuple[float, float]
+    comm_time: tuple[float, float]
+    peak_memory: tuple[float, float]
+    memory: dict[str, tuple[float, float]]
+
+    @property
+    def identical(self) -> bool:
+        return not (self.nodes or self.only_in_a or self.only_in_b or self.storage) and self.same_graph \
+            and self.same_cluster and self.step_time[0] == self.step_time[1] \
+            and self.peak_memory[0] == self.peak_memory[1]
+
+    @property
+    def step_time_delta(self) -> float:
+        return self.step_time[1] - self.step_time[0]
+
+    @property
+    def peak_memory_delta(self) -> float:
+        return self.peak_memory[1] - self.peak_memory[0]
+
+    def __str__(self) -> str:
+        from autoshard import report
+
+        return report.diff_text(self)
+
+
+# ---------------------------------------------------------------------- validation of a plan file
+_NUM = (int, float)
+
+
+def _need(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{where} {what}")
+
+
+def _is_num(v, allow_none: bool = False) -> bool:
+    return (v is None and allow_none) or (isinstance(v, _NUM) and not isinstance(v, bool))
+
+
+def _check_doc(d: dict) -> None:
+    """Shape checks with a path to the bad entry, so a hand-edited or truncated file says where."""
+    known = {f.name for f in fields(Plan)}
+    required = {f.name for f in fields(Plan) if f.default is MISSING and f.default_factory is MISSING}
+    unknown, missing = sorted(set(d) - known), sorted(required - set(d))
+    _need(not unknown, "unknown field(s)", f"{unknown}: written by another autoshard version?")
+    _need(not missing, "missing field(s)", f"{missing}")
+    for key in ("fingerprint", "cluster"):
+        _need(isinstance(d[key], str), key, "must be a string")
+    for key in ("mesh_shape", "mesh_dim_names", "inputs", "fallbacks"):
+        _need(isinstance(d[key], list), key, "must be a list")
+    _need(len(d["mesh_shape"]) == len(d["mesh_dim_names"]) and all(isinstance(m, int) for m in d["mesh_shape"]),
+          "mesh_shape", "must be ints, one per mesh_dim_names entry")
+    for key in ("step_time", "compute_time", "comm_time", "peak_memory"):
+        _need(_is_num(d[key]), key, "must be a number")
+    for key in ("memory", "storage", "solver") + (("breakdown",) if "breakdown" in d else ()):
+        _need(isinstance(d[key], dict), key, "must be an object")
+    _need(all(_is_num(v) for v in d["memory"].values()), "memory", "values must be numbers")
+    _need(all(isinstance(v, str) for v in d["storage"].values()), "storage", "values must be placement strings")
+    _need(isinstance(d["nodes"], list), "nodes", "must be a list")
+    ndim = len(d["mesh_shape"])
+    for i, n in enumerate(d["nodes"]):
+        where = f"nodes[{i}]"
+        _need(isinstance(n, dict), where, "must be an object")
+        for key in ("name", "op", "strategy", "phase"):
+            _need(isinstance(n.get(key), str), where, f"needs a string {key!r}")
+        _need(_is_num(n.get("compute")), where, "needs a number 'compute'")
+        _need(isinstance(n.get("comm", []), list), where, "'comm' must be a list")
+        _need(isinstance(n.get("recompute", False), bool), where, "'recompute' must be true or false")
+        for j, c in enumerate(n.get("comm", [])):
+            _need(isinstance(c, dict) and isinstance(c.get("kind"), str) and all(
+                _is_num(c.get(k)) for k in ("mesh_dim", "bytes", "time")), f"{where}.comm[{j}]",
+                "needs kind, mesh_dim, bytes and time")
+            _need(0 <= c["mesh_dim"] < ndim, f"{where}.comm[{j}]", f"has mesh_dim {c['mesh_dim']} on a {ndim}-D mesh")
+    _need(all(isinstance(f, list) and len(f) == 2 for f in d["fallbacks"]), "fallbacks", "must be [node, reason] pairs")
+    _need(isinstance(d.get("edges", []), list) and all(
+        isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in d.get("edges", [])),
+        "edges", "must be [producer, consumer] name pairs")
+    _need(isinstance(d.get("memory_timeline", []), list) and all(
+        isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) and _is_num(t[1])
+        for t in d.get("memory_timeline", [])), "memory_timeline", "must be [node name, bytes] pairs")
+    for key in ("memory_limit", "mfu"):
+        _need(_is_num(d.get(key), allow_none=True), key, "must be a number or null")
+    if d.get("memory_limit") is not None:
+        _need(d["memory_limit"] > 0 and not math.isnan(d["memory_limit"]), "memory_limit", "must be positive")

@@ -34,6 +34,15 @@ class GPTConfig:
         return cls(vocab=50304, seq=1024, hidden=768, heads=12, layers=12)
 
 
+def _gpt2_init(module: nn.Module) -> None:
+    """GPT-2's initialization (N(0, 0.02) weights, zero biases); with torch's defaults the tied
+    N(0, 1) embedding would make a first loss near 40 instead of ln(vocab)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, 0.0, 0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class Block(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
@@ -64,6 +73,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.hidden)
         self.head = nn.Linear(c.hidden, c.vocab, bias=False)
         self.head.weight = self.wte.weight  # tied, as in GPT-2
+        self.apply(_gpt2_init)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -90,3 +100,145 @@ class MLP(nn.Module):
             if i < len(self.layers) - 1:
                 x = F.gelu(x)
         return F.mse_loss(x, y)
+
+
+# --- Llama ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, causal attention, untied head.
+
+    ``kv_heads`` < ``heads`` gives grouped-query attention (each K/V head serves
+    ``heads // kv_heads`` query heads); ``None`` means ``heads`` (multi-head attention).
+    """
+
+    vocab: int = 128
+    seq: int = 16
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int | None = None
+    intermediate: int = 176
+    layers: int = 2
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        kv = self.heads if self.kv_heads is None else self.kv_heads
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2 or self.heads % kv:
+            raise ValueError(f"LlamaConfig: hidden ({self.hidden}) must split into {self.heads} heads of even "
+                             f"size, and heads into groups of kv_heads ({kv})")
+        object.__setattr__(self, "kv_heads", kv)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def tiny(cls) -> "LlamaConfig":
+        return cls()
+
+    @classmethod
+    def llama2_7b(cls, seq: int = 4096) -> "LlamaConfig":
+        # Llama 2 7B (Touvron et al. 2023, table 1 / the released config): 6.74e9 parameters.
+        return cls(vocab=32000, seq=seq, hidden=4096, heads=32, intermediate=11008, layers=32)
+
+    @classmethod
+    def llama3_8b(cls, seq: int = 8192) -> "LlamaConfig":
+        # Llama 3 8B (the released config): GQA with 8 K/V heads, rope theta 500000; 8.03e9 parameters.
+        return cls(vocab=128256, seq=seq, hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32,
+                   rope_theta=500000.0)
+
+    @classmethod
+    def llama3_70b(cls, seq: int = 8192) -> "LlamaConfig":
+        # Llama 3 70B (the released config): GQA with 8 K/V heads; 70.6e9 parameters.
+        return cls(vocab=128256, seq=seq, hidden=8192, heads=64, kv_heads=8, intermediate=28672, layers=80,
+                   rope_theta=500000.0)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, written with plain ops so it traces to pow/mean/rsqrt/mul."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.head_dim
+        self.attn_norm = RMSNorm(c.hidden, c.norm_eps)
+        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+        self.mlp_norm = RMSNorm(c.hidden, c.norm_eps)
+        self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if self.kv_heads != self.heads:  # GQA: repeat each K/V head for its group of query heads
+            rep = self.heads // self.kv_heads
+            k, v = (z.repeat_interleave(rep, dim=1) for z in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """Llama-style decoder; ``forward(idx, targets)`` returns the mean cross-entropy loss.
+
+    The rotary frequencies are a non-persistent buffer (not in ``state_dict``); cos/sin are
+    computed from it in forward. A model built on ``meta`` and materialized with ``to_empty``
+    must call :meth:`init_buffers` (buffers are not parameters, nothing else restores them).
+    """
+
+    def __init__(self, c: LlamaConfig = LlamaConfig()):
+        super().__init__()
+        self.config = c
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.blocks = nn.ModuleList(LlamaBlock(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden, c.norm_eps)
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)  # untied, as in Llama
+        self.register_buffer("inv_freq", torch.empty(c.head_dim // 2), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        c = self.config
+        with torch.no_grad():
+            steps = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.inv_freq.device)
+            self.inv_freq.copy_(1.0 / (c.rope_theta ** (steps / c.head_dim)))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)             # (t, head_dim / 2)
+        angles = torch.cat((freqs, freqs), dim=-1)          # (t, head_dim), rotate_half layout
+        x = self.embed(idx)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def example_inputs(self, batch: int, device="cpu", generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        idx = torch.randint(0, c.vocab, (batch, c.seq), device=device, generator=generator)
+        return idx, torch.randint(0, c.vocab, (batch, c.seq), device=device, generator=generator)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from autoshard import _torch
 
@@ -38,7 +37,7 @@ class OpCost:
 
 
 def tensor_bytes(val) -> float:
-    return float(sum(t.numel() * t.element_size() for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)))
+    return float(sum(t.numel() * t.element_size() for t in _torch.tree_leaves(val) if isinstance(t, torch.Tensor)))
 
 
 # Ops that move no data but whose schemas do not say they alias (_unsafe_view is view + no
@@ -46,7 +45,7 @@ def tensor_bytes(val) -> float:
 _FREE = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten._unsafe_view.default)
 
 
-def _is_free(node: fx.Node) -> bool:
+def is_free(node: fx.Node) -> bool:
     """Ops that alias their input or move no data."""
     if node.target is operator.getitem:
         return True
@@ -63,8 +62,8 @@ def _flops(node: fx.Node) -> float:
     if formula is None:
         return 0.0
     # torch's formulas take the (fake) tensors and read their shapes themselves
-    args = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
-    kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
+    args = _torch.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
+    kwargs = _torch.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
     return float(formula(*args, **kwargs, out_val=node.meta.get("val")))
 
 
@@ -90,10 +89,10 @@ def annotate(gm: fx.GraphModule) -> None:
         if node.op not in ("placeholder", "call_function"):
             continue
         val = node.meta.get("val")
-        tensors = [t for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in _torch.tree_leaves(val) if isinstance(t, torch.Tensor)]
         dtype = max(tensors, key=lambda t: t.numel()).dtype if tensors else torch.float32
         out_b = tensor_bytes(val)
-        if node.op == "placeholder" or _is_free(node):
+        if node.op == "placeholder" or is_free(node):
             cost = OpCost(0.0, 0.0, out_b, phase[node], dtype)
         else:
             in_b = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)

@@ -57,6 +57,12 @@ def _to_placements(dt: DTensor, placements) -> DTensor:
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=dt.shape, stride=dt.stride())
 
 
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh):
     inputs = iter(strategy.inputs)
 
@@ -65,9 +71,11 @@ def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh):
             return a
         return _to_placements(env[a], next(inputs))
 
-    args = torch.utils._pytree.tree_map_only(fx.Node, arg, node.args) if tensor_inputs(node) else node.args
-    kwargs = torch.utils._pytree.tree_map_only(fx.Node, arg, node.kwargs) if tensor_inputs(node) else node.kwargs
+    args = _torch.tree_map_only(fx.Node, arg, node.args) if tensor_inputs(node) else node.args
+    kwargs = _torch.tree_map_only(fx.Node, arg, node.kwargs) if tensor_inputs(node) else node.kwargs
     if not tensor_inputs(node):  # factory: every rank builds the whole (replicated) tensor
+        if "device" in kwargs:  # traced on CPU fakes; build on the mesh's device
+            kwargs = {**kwargs, "device": _mesh_device(mesh)}
         out = node.target(*args, **kwargs)
         wrap = lambda t: DTensor.from_local(t, mesh, strategy.outputs[0], run_check=False)  # noqa: E731
         return tuple(wrap(t) for t in out) if isinstance(out, (tuple, list)) else wrap(out)
@@ -160,7 +168,9 @@ def split(local: fx.GraphModule, num_fwd_outputs: int, recompute: frozenset[str]
         if node.op != "call_function" or PHASE not in custom:
             continue
         node.meta["partitioner_tag"] = "is_forward" if custom[PHASE] == "fwd" else "is_backward"
-        if custom[PHASE] == "fwd" and custom.get(ORIGIN) in recompute:
+        seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+        # (seeded ops, e.g. the `empty` buffers collectives write into, are saved, never replayed)
+        if custom[PHASE] == "fwd" and custom.get(ORIGIN) in recompute and not seeded:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = 0
     placeholders = local.graph.find_nodes(op="placeholder")

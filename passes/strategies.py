@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -71,7 +70,7 @@ def placement_str(p: Placement) -> str:
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """A node's tensor arguments in DTensor's order (args, then kwargs), duplicates kept."""
-    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+    return [a for a in _torch.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
 
 
 def value_of(node: fx.Node) -> tuple[fx.Node, int]:
@@ -137,8 +136,8 @@ def _keep(node: fx.Node, outs, ins, mesh_shape) -> bool:
 
 
 def _from_single_dim(node, info, mesh) -> list[Strategy]:
-    args = pytree.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), node.args)
-    kwargs = pytree.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), node.kwargs)
+    args = _torch.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), node.args)
+    kwargs = _torch.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), node.kwargs)
     rules = info.func(node.target, args, kwargs)
     n_in = len(tensor_inputs(node))
     n_out = len(rules[0]) - n_in if rules else len([v for v in _tensor_vals(node.meta["val"])])
@@ -180,10 +179,10 @@ def _from_op_strategy(node, func, mesh, schema_info, options=output_options) -> 
         tm = _meta(a.meta["val"])
         return _torch.OpStrategy([_torch.OpSpec(_torch.DTensorSpec(mesh, p, tm)) for p in options(a)])
 
-    args = pytree.tree_map_only(fx.Node, to_strategy, node.args)
+    args = _torch.tree_map_only(fx.Node, to_strategy, node.args)
     args = tuple(_torch.TupleStrategy(list(a)) if isinstance(a, (list, tuple)) and a and
                  all(isinstance(x, _torch.OpStrategy) for x in a) else a for a in args)
-    kwargs = pytree.tree_map_only(fx.Node, to_strategy, node.kwargs)
+    kwargs = _torch.tree_map_only(fx.Node, to_strategy, node.kwargs)
     out = func(_torch.OpSchema(node.target, args, kwargs, schema_info=schema_info))
     if isinstance(out, _torch.TupleStrategy):
         raise NotImplementedError(f"tuple strategies for {node.target}")
@@ -229,7 +228,7 @@ def _cache_key(node: fx.Node):
             return ("T", tuple(v.shape), v.dtype, tuple(output_options(a)))
         return a
     try:
-        key = (node.target, pytree.tree_map(leaf, (node.args, node.kwargs)))
+        key = (node.target, _torch.tree_map(leaf, (node.args, node.kwargs)))
         hash(key)
         return key
     except TypeError:

@@ -13,7 +13,7 @@ Checkmate-style validity:
 
     keep_u + r_u >= 1        for every forward value u that backward reads
     keep_u + r_u >= r_v      for every forward input u of a recomputed v
-    keep_u + r_u >= keep_v   when v is a view of u (a view holds its base's memory)
+    keep_u >= keep_v         when v is a view of u (a saved view holds its base's memory)
 
 Recomputing v costs its compute again: rc_v >= sum_s c[v,s] x[v,s] - max_s c[v,s] (1 - r_v).
 Views and getitems alias their input and cost no bytes of their own; parameters and inputs are
@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import costmodel
-from autoshard.passes.annotate import META_KEY as COST_KEY, _is_free
+from autoshard.passes.annotate import META_KEY as COST_KEY, is_free
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 
 
@@ -88,7 +88,7 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
             cost = v.meta[COST_KEY]
             mm.work[v] = [cost.bytes / s.shards for s in v.meta[META_KEY].strategies]
     for v in fwd:
-        free = _is_free(v)
+        free = is_free(v)
         mm.act[v] = [0.0] * len(v.meta[META_KEY].strategies) if free else _local_outputs(v, mesh)
         producers = [_producer(a) for a in tensor_inputs(v)]
         mm.inputs_of[v] = [u for u in dict.fromkeys(producers) if u in fwd_set]
@@ -111,3 +111,27 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
 def _is_random(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema and getattr(schema, "is_nondeterministic_seeded", False)) or "rand" in str(node.target)
+
+
+def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, float]:
+    """The peak a chosen plan needs: the bytes the runtime will actually hold, which the ILP's
+    rows bound from above (its slack variables may sit anywhere below the limit)."""
+    saved: dict[fx.Node, None] = {}
+
+    def hold(u: fx.Node) -> None:
+        while u in mm.base_of:          # a view keeps its base alive
+            u = mm.base_of[u]
+        saved.setdefault(u)
+
+    for u in mm.needed:
+        if u not in recompute:
+            hold(u)
+    for v in recompute:
+        for u in mm.inputs_of.get(v, []):
+            if u not in recompute:
+                hold(u)
+    return {
+        "state": sum(mm.state[v][choice[v]] for v in mm.state),
+        "activations": sum(mm.act[u][choice[u]] for u in saved if u in mm.act),
+        "transient": max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
+    }

@@ -16,7 +16,7 @@ from ortools.linear_solver import pywraplp
 from autoshard import costmodel
 from autoshard.errors import InfeasibleError, SolverError
 from autoshard.solver.formulation import Problem
-from autoshard.solver.memory import MemoryModel
+from autoshard.solver.memory import MemoryModel, predicted_memory
 
 US = 1e6  # seconds -> microseconds
 MB = 2**20  # bytes -> MiB in the memory rows (keeps coefficients near the time terms' scale)
@@ -25,7 +25,6 @@ MB = 2**20  # bytes -> MiB in the memory rows (keeps coefficients near the time 
 @dataclass
 class _MemoryRows:
     r: dict            # recompute binaries
-    parts: dict        # breakdown name -> [(var, bytes)]
     terms: list        # the peak as [(var, bytes)]
 
 
@@ -42,11 +41,13 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x) -> _Me
     for v in mm.recomputable:
         for u in mm.inputs_of[v]:
             solver.Add(avail(u) >= r[v])
-    for v, u in mm.base_of.items():
-        solver.Add(avail(u) >= keep[v])
+    for v, u in mm.base_of.items():  # saving a view holds its base: recomputing the base frees nothing
+        solver.Add(keep[u] >= keep[v])
 
-    # recompute cost: rc_v >= sum_s c[v,s] x[v,s] - max_s c[v,s] (1 - r_v)
+    # recompute cost: rc_v >= sum_s c[v,s] x[v,s] - max_s c[v,s] (1 - r_v); a nanosecond per
+    # recomputed node breaks ties towards saving (recomputing a free view gains nothing)
     for v, rv in r.items():
+        objective.SetCoefficient(rv, 1e-3)
         c_max = max(problem.cost[v][s] for s in problem.allowed[v])
         if c_max > 0:
             rc = solver.NumVar(0, solver.infinity(), "")
@@ -71,7 +72,7 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x) -> _Me
     terms = state_terms + saved_terms + [(t, MB)]
     # peak <= limit
     solver.Add(solver.Sum([var * (c / MB) for var, c in terms]) <= mm.limit / MB)
-    return _MemoryRows(r, {"state": state_terms, "activations": saved_terms, "transient": [(t, MB)]}, terms)
+    return _MemoryRows(r, terms)
 
 
 @dataclass
@@ -169,7 +170,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     recompute, breakdown = set(), {}
     if mem is not None:
         recompute = {v for v, var in mem.r.items() if var.solution_value() > 0.5}
-        breakdown = {k: sum(var.solution_value() * c for var, c in terms) for k, terms in mem.parts.items()}
+        breakdown = predicted_memory(memory, choice, recompute)
     scale = US if minimize == "time" else 1 / MB
     return Solution(choice, recompute, breakdown, objective.Value() / scale, objective.BestBound() / scale,
                     "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", elapsed, backend,

@@ -85,3 +85,40 @@ def one_case(kind: str, mesh_shape, constraints, lr: float = 0.1) -> dict:
 def run_cases(cases: dict[str, tuple]) -> dict:
     """cases: name -> (kind, mesh_shape, constraints)."""
     return {name: one_case(*spec) for name, spec in cases.items()}
+
+
+def saved_bytes_case(fraction) -> dict:
+    """Train one step of a small GPT under ``memory_limit`` and measure the bytes its forward
+    saves for backward on this rank (distinct storages, parameters and inputs excluded)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=128, seq=64, hidden=128, heads=4, layers=2))
+    inputs = model.example_inputs(16, generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)
+    cluster = autoshard.Cluster.local(dist.get_world_size())
+    limit = None if fraction is None else autoshard.plan(model, cluster, inputs).peak_memory * fraction
+    dm = autoshard.compile(model, cluster, inputs, memory_limit=limit)
+    local = dm.shard_inputs(*inputs)
+    exclude = {p.to_local().untyped_storage().data_ptr() for p in dm.parameters()}
+    exclude |= {t.untyped_storage().data_ptr() for t in local}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = dm(*local)
+    loss.backward()
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    grad_err = max((p.grad.full_tensor() - ref.get_parameter(n).grad).abs().max().item() for n, p in dm.named_parameters())
+    return {"measured": float(sum(storages.values())), "predicted": dm.plan.memory["activations"],
+            "recomputed": sum(n.recompute for n in dm.plan.nodes), "peak": dm.plan.peak_memory,
+            "loss_err": (loss - ref_loss).abs().item(), "grad_err": grad_err}
+
+
+def saved_bytes_cases(fractions) -> list:
+    """fractions: of the unconstrained plan's predicted peak (None: no cap)."""
+    return [saved_bytes_case(f) for f in fractions]

@@ -160,13 +160,18 @@ def _tangent_dependents(traced):
 @pytest.mark.parametrize("which", ["mlp", "gpt"])
 def test_phases(which, request):
     traced = request.getfixturevalue(which)
+    # Phases are positional, as torch's partitioner reads them: forward is everything before the
+    # first node that reads a tangent; every tangent-dependent node is backward.
     bwd = _tangent_dependents(traced)
     assert bwd
-    for n in traced.gm.graph.nodes:
+    order = list(traced.gm.graph.nodes)
+    first_bwd = min(order.index(n) for n in bwd)
+    for i, n in enumerate(order):
         if n.op == "placeholder":
             assert n.meta[META_KEY].phase == "input"
         elif n.op == "call_function":
-            assert n.meta[META_KEY].phase == ("bwd" if n in bwd else "fwd"), n.name
+            assert n.meta[META_KEY].phase == ("bwd" if i >= first_bwd else "fwd"), n.name
+            assert n not in bwd or n.meta[META_KEY].phase == "bwd", n.name
     # the loss is forward, every gradient is backward
     assert traced.outputs[0].meta[META_KEY].phase == "fwd"
     for name, g in traced.grads.items():
