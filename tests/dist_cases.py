@@ -122,3 +122,13 @@ def saved_bytes_case(fraction) -> dict:
 def saved_bytes_cases(fractions) -> list:
     """fractions: of the unconstrained plan's predicted peak (None: no cap)."""
     return [saved_bytes_case(f) for f in fractions]
+
+
+def mismatched_world_case() -> str:
+    """compile on this process group with a cluster of the wrong size: returns the error text."""
+    model, inputs = _model("mlp")
+    try:
+        autoshard.compile(model, autoshard.Cluster.local(dist.get_world_size() * 2), inputs)
+    except autoshard.errors.ClusterError as exc:
+        return f"ClusterError: {exc}"
+    return "no error"
