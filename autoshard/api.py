@@ -20,7 +20,9 @@ from autoshard.passes.trace import TracedModel, trace as _trace
 from autoshard.plan import NodeDecision, Plan
 from autoshard.runtime import DistributedModule
 from autoshard.solver.formulation import formulate
-from autoshard.solver.memory import memory_model
+from autoshard.passes.coarsen import repeated_layers
+from autoshard.solver.formulation import share
+from autoshard.solver.memory import memory_model, predicted_memory, timeline
 from autoshard.solver.solve import solve
 
 OPTIMIZER_STATE_PER_PARAM_BYTE = 2.0  # Adam/AdamW: two moments in the parameter's dtype
@@ -45,34 +47,48 @@ def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool):
 
 
 def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | None = None,
-         memory_limit: float | None = None, recompute: bool = True, strict: bool = False,
-         time_limit: float = 120.0) -> Plan:
+         memory_limit: float | None = None, recompute: bool = True, share_layers: bool = True,
+         strict: bool = False, time_limit: float = 120.0) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
     ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
-    predicted peak; ``recompute=False`` forbids recomputing activations. Raises
+    predicted peak; ``recompute=False`` forbids recomputing activations; ``share_layers=False``
+    gives every repeated layer its own decisions (the exact, larger problem). Raises
     :class:`~autoshard.errors.InfeasibleError` with ``min_memory`` when no plan fits."""
     t0 = time.perf_counter()
     traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
     t1 = time.perf_counter()
-    problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit)
+    problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
+                                      share_layers)
     result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
     result.stats = {"trace_strategies_s": t1 - t0, "solve_s": solution.solve_time, "total_s": time.perf_counter() - t0}
     return result
 
 
-def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit):
+def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True):
     problem = formulate(traced, cluster, constraints)
     limit = float(cluster.memory_limit if memory_limit is None else memory_limit)
     mm = memory_model(traced, problem, cluster, limit, OPTIMIZER_STATE_PER_PARAM_BYTE)
     if not recompute:
         mm.recomputable = []
+    rep = {n: r for n, r in repeated_layers(traced).items()
+           if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
+    small, small_mm, expand = share(problem, mm, rep)
+
+    def run(limit_, minimize="time"):
+        small_mm.limit = limit_
+        sol = solve(small, cluster, small_mm, time_limit=time_limit, minimize=minimize)
+        sol.choice, sol.recompute = expand(sol.choice, sol.recompute)
+        sol.memory = predicted_memory(mm, sol.choice, sol.recompute)
+        return sol
+
     try:
-        return problem, solve(problem, cluster, mm, time_limit=time_limit), limit
+        solution = run(limit)
+        solution.timeline = timeline(mm, traced.gm.graph, solution.choice, solution.recompute)
+        return problem, solution, limit
     except InfeasibleError:
-        mm.limit = float("inf")
-        least = solve(problem, cluster, mm, time_limit=time_limit, minimize="memory")
+        least = run(float("inf"), "memory")
         need = float(math.ceil(least.objective * (1 + 1e-9)))  # the ILP's own minimum: feasible as a limit
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
         top = max(least.memory, key=least.memory.get)
@@ -99,7 +115,8 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
         where = "output" if e.dst is None else e.dst.name
         edges.append((e.src.name, where))
         for c in costmodel.resharding(cluster, src, dst, e.nbytes):
-            comm.setdefault(where, []).append({"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time})
+            comm.setdefault(where, []).append({"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes,
+                                               "time": c.time, "src": e.src.name})
     nodes, compute, recompute_time = [], 0.0, 0.0
     for n, s in choice.items():
         t = problem.cost[n][solution.choice[n]]
@@ -127,6 +144,7 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
                 "gap": solution.gap, "backend": solution.backend,
                 "variables": solution.num_variables, "constraints": solution.num_constraints},
         edges=edges, memory_limit=limit, mfu=_mfu(traced, cluster, step),
+        memory_timeline=list(getattr(solution, "timeline", [])),
         breakdown={"compute": compute, "exposed_comm": comm_time, "recompute": recompute_time})
 
 

@@ -233,6 +233,17 @@ def _launch_overhead(device: torch.device, group) -> float:
     return _agree([t], group, device)[0]
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 def _device_memory(device: torch.device, ranks_per_node: int, group) -> float:
     if device.type == "cuda":
         mem = float(torch.cuda.get_device_properties(device).total_memory)
@@ -316,6 +327,8 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
     raw = []
     for d, sub in enumerate(_dim_groups(group, shape)):
         raw.append(_measure_dim(sub, shape[d], device, message_sizes, repeats) if shape[d] > 1 else None)
+        if sub is not None and sub is not group:
+            dist.destroy_process_group(sub)
     flat = [t for r in raw if r for kind in COLLECTIVES for t in r[kind]["times"]]
     flat = iter(_agree(flat, group, device))
     links, dims = [], []
@@ -339,7 +352,7 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
     spare = min(measured, key=lambda l: l.bandwidth) if measured else LOOPBACK
     links = [spare if l is None else l for l in links]
 
-    base = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    base = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     spec = DeviceSpec(f"calibrated {device.type}: {base}",
                       {k: max(rates.values()) for k, rates in matmul.items()},
                       memory_bandwidth=max(memory.values()), memory=capacity,

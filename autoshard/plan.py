@@ -180,7 +180,7 @@ class Plan:
     def diff(self, other: "Plan") -> "PlanDiff":
         """What differs from ``other``: node strategies and recompute marks, parameter storage,
         and the predicted time and memory (``other`` minus ``self``)."""
-        mine, theirs = self._by_name(), other._by_name()
+        mine, theirs = {n.name: n for n in self.nodes}, {n.name: n for n in other.nodes}
         changed = [NodeChange(n.name, n.op, n.strategy, theirs[n.name].strategy, n.recompute, theirs[n.name].recompute)
                    for n in self.nodes if n.name in theirs
                    and (n.strategy, n.recompute) != (theirs[n.name].strategy, theirs[n.name].recompute)]

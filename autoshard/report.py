@@ -147,7 +147,7 @@ def _cluster(plan):
 
 def cap_of(plan) -> tuple[float | None, str]:
     """The memory cap to compare against: the plan's own limit, else the device's usable memory."""
-    if plan.memory_limit is not None:
+    if plan.memory_limit is not None and math.isfinite(plan.memory_limit):
         return plan.memory_limit, "cap"
     cluster = _cluster(plan)
     return (cluster.memory_limit, "device usable") if cluster else (None, "")
@@ -336,7 +336,8 @@ def diff_text(d, max_rows: int = 100, width: int = 160) -> str:
         console.print(s)
     for label, names in (("only in a", d.only_in_a), ("only in b", d.only_in_b)):
         if names:
-            console.print(escape(f"{len(names)} nodes {label}: {', '.join(names[:20])}" + (" ..." if len(names) > 20 else "")))
+            more = " ..." if len(names) > 20 else ""
+            console.print(escape(f"{len(names)} nodes {label}: {', '.join(names[:20])}{more}"))
     return console.export_text()
 
 
@@ -371,7 +372,7 @@ def _q(s: str) -> str:
 
 def to_dot(plan) -> str:
     edges, on_edge, on_node = _edge_comm(plan)
-    by_name = plan._by_name()
+    by_name = {n.name: n for n in plan.nodes}
     title = " / ".join(header_lines(plan)[:2])
     out = ["digraph plan {",
            f"  graph [rankdir=TB, fontname=Helvetica, fontsize=11, labelloc=t, label={_q(title)}];",
@@ -450,13 +451,13 @@ def layout(plan) -> tuple[dict[str, tuple[float, float]], list[tuple[str, str]],
 
 def graph_svg(plan) -> str:
     pos, edges, on_edge, on_node = layout(plan)
-    by_name = plan._by_name()
+    by_name = {n.name: n for n in plan.nodes}
     long = any(not 0 <= pos[b][1] - pos[a][1] <= 2 * _DY for a, b in edges)
     width = max((x for x, _ in pos.values()), default=0) + _W + 20 + (600 if long else 0)
-    height = max((y for _, y in pos.values()), default=0) + _H + 20
+    height = max((y for _, y in pos.values()), default=0) + _H + 34
     e = html.escape
     out = [f'<svg id="plan-graph" class="graph" width="{width:.0f}" height="{height:.0f}" '
-           f'viewBox="-10 -10 {width:.0f} {height:.0f}" role="img" aria-label="plan graph">',
+           f'viewBox="-10 -24 {width:.0f} {height:.0f}" role="img" aria-label="plan graph">',
            '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" markerHeight="6" '
            'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#888"/></marker></defs>']
     for a, b in edges:
@@ -465,7 +466,8 @@ def graph_svg(plan) -> str:
         # Long and backward edges bow out to the right, by their length, so they do not run
         # along a column of boxes; back edges (to a parameter's storage) are dashed.
         bow = 0.0 if 0 <= y2 - y1 <= 2 * _DY else min(600.0, 40 + abs(y2 - y1) / 10)
-        d = f"M {x1:.0f} {y1:.0f} C {x1 + bow:.0f} {y1 + 40:.0f}, {x2 + bow:.0f} {y2 - 40:.0f}, {x2:.0f} {y2:.0f}"
+        d = (f"M {x1:.0f} {y1:.0f} L {x2:.0f} {y2:.0f}" if not bow else
+             f"M {x1:.0f} {y1:.0f} C {x1 + bow:.0f} {y1 + 40:.0f}, {x2 + bow:.0f} {y2 - 40:.0f}, {x2:.0f} {y2:.0f}")
         dash = ' stroke-dasharray="5 4"' if y2 < y1 else ""
         comm = on_edge.get((a, b))
         if comm:
@@ -483,9 +485,10 @@ def graph_svg(plan) -> str:
                + "".join(f"\n{comm_str(plan, c)}" for c in shown_comm(plan, n))) if n else f"{name} (not planned)"
         dash = ' stroke-dasharray="4 3"' if n and n.recompute else ""
         stroke = _COMM if name in on_node else "#555"
+        short = name if len(name) <= 20 else name[:19] + "…"
         out.append(f'<g class="node"><title>{e(tip)}</title><rect x="{x:.0f}" y="{y:.0f}" width="{_W}" '
                    f'height="{_H}" rx="4" fill="{placement_colour(pl)}" stroke="{stroke}"{dash}/>'
-                   f'<text x="{x + 4:.0f}" y="{y + 13:.0f}" class="nname">{e(name if len(name) <= 20 else name[:19] + "…")}</text>'
+                   f'<text x="{x + 4:.0f}" y="{y + 13:.0f}" class="nname">{e(short)}</text>'
                    f'<text x="{x + 4:.0f}" y="{y + 27:.0f}" class="nop">{e((short_op(n.op) if n else "")[:14])} '
                    f'{e(pl)}{" ↻" if n and n.recompute else ""}</text></g>')
     out.append("</svg>")
@@ -524,7 +527,7 @@ def _tick_label(b: float) -> str:
 
 def memory_svg(plan) -> str:
     points, derived = memory_timeline(plan)
-    cap = plan.memory_limit
+    cap = plan.memory_limit if plan.memory_limit is not None and math.isfinite(plan.memory_limit) else None
     phase = {n.name: n.phase for n in plan.nodes}
     w, h, left, right, top, bottom = 880, 320, 80, 20, 24, 44
     pw, ph = w - left - right, h - top - bottom
@@ -633,7 +636,8 @@ def to_html(plan, max_rows: int | None = 200) -> str:
                      for k, v in plan.storage.items()]),
     ]
     if plan.fallbacks:
-        parts += ["<h2>Replicated for lack of a rule</h2>", _html_table(["node", "reason"], [list(f) for f in plan.fallbacks])]
+        parts += ["<h2>Replicated for lack of a rule</h2>",
+                  _html_table(["node", "reason"], [list(f) for f in plan.fallbacks])]
     parts += ["<h2>Solver</h2>", _html_table(["key", "value"], [[k, str(v)] for k, v in plan.solver.items()]),
               "</body></html>"]
     return "\n".join(p for p in parts if p) + "\n"

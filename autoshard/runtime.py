@@ -5,6 +5,10 @@ names (``state_dict()`` works with torch.distributed.checkpoint). ``forward`` ta
 local inputs (``shard_inputs`` cuts them from the global batch) and returns the outputs in full,
 identical on every rank; ``backward`` fills each parameter's ``.grad`` (a DTensor in the
 parameter's storage placement), so any torch optimizer steps it.
+
+``load_state_dict`` takes DTensor values in any placement (redistributed to this plan's) or plain
+full tensors (each rank keeps its shard), and names every missing, unexpected or misshapen entry
+in a :class:`~autoshard.errors.RuntimeMismatchError`; ``autoshard.checkpoint`` builds on it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.modules.module import _IncompatibleKeys
 
 from autoshard.errors import RuntimeMismatchError
 
@@ -59,19 +64,33 @@ def _register(root: nn.Module, fqn: str, value, kind: str) -> None:
 class DistributedModule(nn.Module):
     def __init__(self, plan, mesh, fw: fx.GraphModule, bw: fx.GraphModule, num_outputs: int,
                  params: dict[str, DTensor], buffers: dict[str, torch.Tensor], input_placements: list,
-                 input_meta: list):
+                 input_meta: list, aliases: dict[str, str] | None = None):
         super().__init__()
         self.plan = plan
         self.mesh = mesh
-        self._fw, self._bw, self._num_outputs = fw, bw, num_outputs
+        # The graphs are code, not state: kept out of the submodules so that their constants do
+        # not show up in state_dict(), parameters() or a checkpoint.
+        self.__dict__["_fw"], self.__dict__["_bw"] = fw, bw
+        self._num_outputs = num_outputs
         self._param_names = list(params)
         self._buffer_names = list(buffers)
         for name, p in params.items():
             _register(self, name, nn.Parameter(p), "param")
         for name, b in buffers.items():
             _register(self, name, b, "buffer")
+        self._aliases: dict[str, str] = {}
+        self.tie(aliases or {})
         self._input_placements = input_placements
         self._input_meta = input_meta  # global (shape, dtype) per input
+
+    def tie(self, aliases: dict[str, str]) -> None:
+        """Register tied weights (``{"head.weight": "wte.weight"}``: GPT-2's LM head is its
+        token embedding) as the same Parameter under both names, so ``named_parameters()`` lists
+        it once and ``state_dict()`` has both keys, as the single-device model's does."""
+        for alias, primary in aliases.items():
+            if alias != primary and primary in self._param_names and alias not in self._aliases:
+                self._aliases[alias] = primary
+                _register(self, alias, self.get_parameter(primary), "param")
 
     def _local_shape(self, shape, placements):
         shape = list(shape)
@@ -102,3 +121,77 @@ class DistributedModule(nn.Module):
         buffers = [self.get_buffer(n) for n in self._buffer_names]
         outs = _PlanStep.apply(self, *params, *buffers, *local_inputs)
         return outs[0] if len(outs) == 1 else outs
+
+    # --- state dict --------------------------------------------------------------------------
+    def expected_state(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every state-dict key with its global shape and dtype (what a checkpoint must hold)."""
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    def check_state_dict(self, state_dict, *, strict: bool = True, source: str = "the state dict") -> None:
+        """Raise RuntimeMismatchError naming every global shape that differs from this module's
+        and, with ``strict``, every key missing from ``state_dict`` or in it but not here."""
+        found = {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+        check_against(self.expected_state(), found, strict=strict, source=source)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load DTensors in any placement (redistributed to this plan's storage) or plain full
+        tensors (every rank passes the same; each keeps its shard, no communication)."""
+        self.check_state_dict(state_dict, strict=strict)
+        own = self.state_dict()
+        converted = {}
+        for key in own:  # module order, so every rank runs the same redistributions
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if isinstance(own[key], DTensor):
+                converted[key] = _to_placements(value, self.mesh, own[key].placements)
+            else:
+                converted[key] = value.full_tensor() if isinstance(value, DTensor) else value
+        super().load_state_dict(converted, strict=False, assign=assign)
+        return _IncompatibleKeys([k for k in own if k not in state_dict], [k for k in state_dict if k not in own])
+
+
+def _to_placements(value: torch.Tensor, mesh, placements) -> DTensor:
+    """``value`` as a DTensor on ``mesh`` in ``placements``: a DTensor is redistributed (gathered
+    first when it lives on another mesh); a plain tensor is the full value, cut locally."""
+    if isinstance(value, DTensor):
+        if value.device_mesh == mesh:
+            return value.redistribute(mesh, placements) if tuple(value.placements) != tuple(placements) else value
+        value = value.full_tensor()
+    value = value.detach().to(mesh.device_type)
+    rep = [Replicate()] * mesh.ndim
+    return DTensor.from_local(value, mesh, rep, run_check=False).redistribute(mesh, placements)
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_against(expected: dict, found: dict, *, strict: bool = True, source: str = "the state dict",
+                  limit: int = 8) -> None:
+    """Compare ``{key: (shape, dtype)}`` maps; raise one RuntimeMismatchError naming both sides.
+    Without ``strict`` only the shapes of the keys both hold must agree."""
+    missing = [k for k in expected if k not in found] if strict else []
+    unexpected = [k for k in found if k not in expected] if strict else []
+    shapes = [k for k in expected if k in found and tuple(found[k][0]) != tuple(expected[k][0])]
+    if not (missing or unexpected or shapes):
+        return
+
+    def some(keys):
+        more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+        return ", ".join(keys[:limit]) + more
+
+    lines = [f"{source} does not match this compiled module ({len(expected)} entries expected, "
+             f"{len(found)} found):"]
+    if missing:
+        lines.append(f"  missing from {source} ({len(missing)}): " + some(missing))
+    if unexpected:
+        lines.append(f"  in {source} but not in the module ({len(unexpected)}): " + some(unexpected))
+    for k in shapes[:limit]:
+        lines.append(f"  {k}: the module expects global shape {_fmt(expected[k][0])}, "
+                     f"{source} has {_fmt(found[k][0])}")
+    if len(shapes) > limit:
+        lines.append(f"  ... and {len(shapes) - limit} more shape mismatches")
+    lines.append("Was it saved for another model or configuration? Names and global shapes must match "
+                 "(placements, plan and world size may differ).")
+    raise RuntimeMismatchError("\n".join(lines))

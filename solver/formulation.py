@@ -36,6 +36,7 @@ class Edge:
     nbytes: float                # global size of the tensor
     fixed: tuple | None = None   # required placement when dst is None
     kind: str = "input"          # input | output | grad
+    weight: float = 1.0          # how many identical edges this one stands for (repeated layers)
 
 
 @dataclass
@@ -116,3 +117,50 @@ def formulate(traced, cluster, constraints: dict | None = None) -> Problem:
             problem.edges.append(Edge(u, k, p, [s.outputs[0] for s in p.meta[META_KEY].strategies],
                                       costmodel.tensor_nbytes(grad.meta["val"]), kind="grad"))
     return problem
+
+
+def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
+    """The problem with each class of ``rep`` (member -> representative) as one node: costs and
+    memory terms of the members summed, identical edges merged with their multiplicity.
+
+    Returns (problem, memory model, expand) where ``expand(choice, recompute)`` maps a solution
+    of the shared problem back onto every node."""
+    r = lambda v: rep.get(v, v)  # noqa: E731
+    nodes = list(dict.fromkeys(r(v) for v in problem.nodes))
+    cost: dict[fx.Node, list[float]] = {v: [0.0] * len(problem.cost[v]) for v in nodes}
+    for v in problem.nodes:
+        cost[r(v)] = [a + b for a, b in zip(cost[r(v)], problem.cost[v])]
+    shared = Problem(nodes, cost, {v: problem.allowed[v] for v in nodes})
+    merged: dict[tuple, Edge] = {}
+    for e in problem.edges:
+        key = (r(e.src), e.src_out, None if e.dst is None else r(e.dst), id(e.dst_in) if e.dst is None else
+               tuple(map(str, e.dst_in)), e.nbytes, e.fixed, e.kind)
+        if key in merged:
+            merged[key].weight += e.weight
+        else:
+            merged[key] = Edge(r(e.src), e.src_out, None if e.dst is None else r(e.dst), e.dst_in, e.nbytes,
+                               e.fixed, e.kind, e.weight)
+    shared.edges = list(merged.values())
+
+    from autoshard.solver.memory import MemoryModel
+
+    m = MemoryModel(mm.limit)
+    for table, out in ((mm.state, m.state), (mm.act, m.act)):
+        for v, vals in table.items():
+            out[r(v)] = [a + b for a, b in zip(out.get(r(v), [0.0] * len(vals)), vals)]
+    for v, vals in mm.work.items():
+        m.work[r(v)] = [max(a, b) for a, b in zip(m.work.get(r(v), vals), vals)]
+    m.needed = list(dict.fromkeys(r(v) for v in mm.needed))
+    m.recomputable = list(dict.fromkeys(r(v) for v in mm.recomputable))
+    for v, us in mm.inputs_of.items():
+        m.inputs_of.setdefault(r(v), [])
+        m.inputs_of[r(v)] = list(dict.fromkeys(m.inputs_of[r(v)] + [r(u) for u in us if r(u) is not r(v)]))
+    for v, u in mm.base_of.items():
+        if r(u) is not r(v):
+            m.base_of[r(v)] = r(u)
+
+    def expand(choice: dict, recompute: set) -> tuple[dict, set]:
+        return ({v: choice[r(v)] for v in problem.nodes},
+                {v for v in mm.recomputable if r(v) in recompute})
+
+    return shared, m, expand

@@ -113,9 +113,8 @@ def _is_random(node: fx.Node) -> bool:
     return bool(schema and getattr(schema, "is_nondeterministic_seeded", False)) or "rand" in str(node.target)
 
 
-def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, float]:
-    """The peak a chosen plan needs: the bytes the runtime will actually hold, which the ILP's
-    rows bound from above (its slack variables may sit anywhere below the limit)."""
+def saved_for_backward(mm: MemoryModel, recompute: set) -> list[fx.Node]:
+    """The forward nodes whose outputs stay in memory until backward (views resolved to their base)."""
     saved: dict[fx.Node, None] = {}
 
     def hold(u: fx.Node) -> None:
@@ -130,8 +129,45 @@ def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set
         for u in mm.inputs_of.get(v, []):
             if u not in recompute:
                 hold(u)
+    return list(saved)
+
+
+def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, float]:
+    """The peak a chosen plan needs: the bytes the runtime will actually hold, which the ILP's
+    rows bound from above (its slack variables may sit anywhere below the limit)."""
     return {
         "state": sum(mm.state[v][choice[v]] for v in mm.state),
-        "activations": sum(mm.act[u][choice[u]] for u in saved if u in mm.act),
+        "activations": sum(mm.act[u][choice[u]] for u in saved_for_backward(mm, recompute) if u in mm.act),
         "transient": max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
     }
+
+
+def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recompute: set) -> list[tuple[str, float]]:
+    """Predicted per-device bytes held after each node: persistent state, plus each saved
+    activation from its forward node until its last backward reader, plus that op's working set."""
+    from autoshard.passes.strategies import value_of
+
+    state = sum(mm.state[v][choice[v]] for v in mm.state)
+    saved = set(saved_for_backward(mm, recompute))
+    last_use: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        for a in n.all_input_nodes:
+            u = value_of(a)[0]
+            while u in mm.base_of:
+                u = mm.base_of[u]
+            if u in saved:
+                last_use[u] = n
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for u, n in last_use.items():
+        frees.setdefault(n, []).append(u)
+    live, out = 0.0, []
+    for n in graph.nodes:
+        if n.op != "call_function" or n not in choice:
+            continue
+        if n in saved:
+            live += mm.act[n][choice[n]]
+        work = mm.work.get(n, [0.0] * (choice[n] + 1))[choice[n]]
+        out.append((n.name, state + live + work))
+        for u in frees.get(n, []):
+            live -= mm.act[u][choice[u]]
+    return out

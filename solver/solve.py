@@ -104,7 +104,9 @@ def _edge_cost(problem: Problem, e, x) -> tuple[list, list]:
         dst = {}
         for s in problem.allowed[e.dst]:
             dst.setdefault(e.dst_in[s], []).append(s)
-    r = {(q, p): costmodel.resharding_time_cached(q, p, e.nbytes) for q in src for p in dst}
+    r = {(q, p): e.weight * costmodel.resharding_time_cached(q, p, e.nbytes) for q in src for p in dst}
+    if e.dst is e.src:  # a block's output feeding the same class in the next block: one choice
+        return [(x[e.src, s], r[problem.src_placement(e, s), e.dst_in[s]]) for s in problem.allowed[e.src]], []
     if len(dst) == 1:
         (p,) = dst
         return [(x[e.src, s], r[q, p]) for q, ss in src.items() for s in ss], []

@@ -259,7 +259,7 @@ def test_diff_lists_differing_nodes(plans):
     _, free, pinned = plans
     d = free.diff(pinned)
     assert isinstance(d, PlanDiff) and not d.identical and d.same_graph and d.same_cluster
-    a, b = free._by_name(), pinned._by_name()
+    a, b = {n.name: n for n in free.nodes}, {n.name: n for n in pinned.nodes}
     want = {n for n in a if n in b and a[n].strategy != b[n].strategy}
     assert want and {c.name for c in d.nodes} == want
     assert set(d.storage) == {k for k in free.storage if free.storage[k] != pinned.storage[k]}

@@ -1,0 +1,121 @@
+"""coarsen: find repeated layers, so identical blocks share one set of decisions.
+
+A transformer's joint graph is a prefix, L copies of one block's forward, a middle, L copies of
+its backward and a suffix. Each decision node gets a *token* (op, shapes, dtypes, non-tensor
+arguments and its list of strategies); in each phase, the token that occurs most regularly
+(equal spacing p, c times) marks the period, and positions ``b + j*p + i`` (j < c) whose tokens
+all agree form one class ``i``. Parameters join the class of their consumer slot. Structure is
+read from the graph alone, never from module names.
+
+Merging is a restriction (members must choose alike), exact in cost: every edge, memory term
+and recompute keeps its own numbers (solver/formulation.py's ``share`` sums them). Facts go to
+``node.meta["autoshard.layer"]``: the class representative.
+
+Example::
+
+    >>> rep = repeated_layers(traced)            # 12-layer GPT: 12 members per class
+    >>> sum(1 for n, r in rep.items() if n is not r) / len(rep)
+    0.87
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import torch
+import torch.fx as fx
+
+from autoshard import _torch
+from autoshard.passes.annotate import META_KEY as COST_KEY
+from autoshard.passes.strategies import META_KEY, tensor_inputs
+
+LAYER_KEY = "autoshard.layer"
+
+
+def _token(node: fx.Node) -> tuple:
+    def shape(v):
+        return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+
+    val = node.meta.get("val")
+    outs = tuple(shape(v) for v in (val if isinstance(val, (tuple, list)) else (val,)))
+    # nodes (also inside lists, e.g. cat's) by shape: their names differ from layer to layer
+    args = repr(_torch.tree_map_only(fx.Node, lambda a: shape(a.meta.get("val")), (node.args, node.kwargs)))
+    strategies = tuple(str(s) for s in node.meta[META_KEY].strategies)
+    return (str(node.target), outs, args, hash(strategies))
+
+
+def _period(tokens: list) -> tuple[int, int, int] | None:
+    """(first position, period, count) of the most regular token, by coverage count * period."""
+    positions = defaultdict(list)
+    for i, t in enumerate(tokens):
+        positions[t].append(i)
+    best = None
+    for pos in positions.values():
+        if len(pos) < 2:
+            continue
+        gaps = {b - a for a, b in zip(pos, pos[1:])}
+        if len(gaps) == 1:
+            (p,) = gaps
+            cand = (len(pos) * p, -p, pos[0], len(pos))
+            best = max(best, cand) if best else cand
+    if best is None:
+        return None
+    _, neg_p, first, count = best
+    return first, -neg_p, count
+
+
+def _classes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    tokens = [_token(n) for n in nodes]
+    found = _period(tokens)
+    rep: dict[fx.Node, fx.Node] = {}
+    if found is None:
+        return rep
+    first, p, count = found
+    # the block start: the alignment whose offsets agree across all copies most often
+    def agree(b: int) -> list[int]:
+        return [i for i in range(p) if all(0 <= b + j * p + i < len(nodes) and
+                                           tokens[b + j * p + i] == tokens[b + i] for j in range(count))]
+    b = max(range(max(0, first - p + 1), first + 1), key=lambda b: (len(agree(b)), -b))
+    for i in agree(b):
+        head = nodes[b + i]
+        for j in range(count):
+            rep[nodes[b + j * p + i]] = head
+    return rep
+
+
+def repeated_layers(traced) -> dict[fx.Node, fx.Node]:
+    """member -> representative, for every decision node in a repeated block (and its parameters)."""
+    gm = traced.gm
+    rep: dict[fx.Node, fx.Node] = {}
+    for phase in ("fwd", "bwd"):
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta[META_KEY].alias_of is None
+                 and n.meta[COST_KEY].phase == phase]
+        # Autograd interleaves some per-layer nodes (bias gradients, concatenations) irregularly;
+        # a few more rounds over what is left catch their own periods.
+        for _ in range(4):
+            found = _classes([n for n in nodes if n not in rep])
+            if not found:
+                break
+            rep.update(found)
+    # Parameters: those read only by class members, at the same (class, argument) slots, form a
+    # class of their own.
+    params = {node for _, node in traced.params}
+    slot: dict[fx.Node, set] = defaultdict(set)
+    for n, r in rep.items():
+        for k, a in enumerate(tensor_inputs(n)):
+            if a in params:
+                slot[a].add((r, k))
+    by_slot: dict[frozenset, list[fx.Node]] = defaultdict(list)
+    for param, slots in slot.items():
+        if all(u in rep for u in param.users):
+            by_slot[frozenset(slots)].append(param)
+    for members in by_slot.values():
+        sig = Counter(str(s) for s in members[0].meta[META_KEY].strategies)
+        same = [m for m in members if Counter(str(s) for s in m.meta[META_KEY].strategies) == sig
+                and tuple(m.meta["val"].shape) == tuple(members[0].meta["val"].shape)]
+        if len(same) > 1:
+            for m in same:
+                rep[m] = same[0]
+    for n, r in rep.items():
+        n.meta[LAYER_KEY] = r
+    return rep
