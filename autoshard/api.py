@@ -30,8 +30,10 @@ OPTIMIZER_STATE_PER_PARAM_BYTE = 2.0  # Adam/AdamW: two moments in the parameter
 
 def trace(model: nn.Module, example_inputs) -> TracedModel:
     """Trace once (joint fwd+bwd graph on fake tensors), then plan for many clusters."""
+    start = time.perf_counter()
     traced = _trace(model, tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,))
     annotate(traced.gm)
+    traced.trace_time = time.perf_counter() - start
     return traced
 
 
@@ -61,8 +63,13 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     t1 = time.perf_counter()
     problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
                                       share_layers)
+    t2 = time.perf_counter()
     result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
-    result.stats = {"trace_strategies_s": t1 - t0, "solve_s": solution.solve_time, "total_s": time.perf_counter() - t0}
+    result.stats = {"trace_s": traced.trace_time if model is not traced else 0.0,
+                    "strategies_s": t1 - t0 - (traced.trace_time if model is not traced else 0.0),
+                    "formulate_s": t2 - t1 - solution.solve_time, "solve_s": solution.solve_time,
+                    "plan_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0,
+                    "shared_nodes": solution.shared_nodes}
     return result
 
 
@@ -75,12 +82,14 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
     rep = {n: r for n, r in repeated_layers(traced).items()
            if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
     small, small_mm, expand = share(problem, mm, rep)
+    shared_nodes = (len(problem.nodes), len(small.nodes))
 
     def run(limit_, minimize="time"):
         small_mm.limit = limit_
         sol = solve(small, cluster, small_mm, time_limit=time_limit, minimize=minimize)
         sol.choice, sol.recompute = expand(sol.choice, sol.recompute)
         sol.memory = predicted_memory(mm, sol.choice, sol.recompute)
+        sol.shared_nodes = shared_nodes
         return sol
 
     try:

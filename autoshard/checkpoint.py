@@ -72,16 +72,19 @@ def load(path: str | os.PathLike, module: DistributedModule, optimizer: torch.op
     saved = _saved_shapes(path)
     source = f"checkpoint {os.fspath(path)!r}"
     nested = any(k.startswith("model.") for k in saved)  # save()'s layout, else a bare state_dict()
-    check_against(module.expected_state(), _section(saved, "model." if nested else ""), source=source)
+    found = _section(saved, "model." if nested else "")
+    expected = module.expected_state(optional=found)
+    check_against(expected, found, source=source)
     if not nested:
         if optimizer is not None:
             raise RuntimeMismatchError(f"{source} holds a model state dict alone, no optimizer state; "
                                        f"load it without the optimizer")
-        sd = module.state_dict()
+        sd = {k: v for k, v in module.state_dict().items() if k in expected}
         dcp.load(sd, checkpoint_id=path)
         module.load_state_dict(sd)
         return
     target = state_dict(module, optimizer)
+    target["model"] = {k: v for k, v in target["model"].items() if k in expected}  # tied aliases it lacks
     if optimizer is not None:
         want, have = _flat(target["optim"].get("state", {}), ""), _section(saved, "optim.state.")
         if not have:

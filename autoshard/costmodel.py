@@ -57,6 +57,8 @@ def resharding(cluster, src, dst, nbytes: float) -> list[Collective]:
             kind = "all_gather"
         if kind is None:
             continue
+        if kind == "all_to_all":  # each rank exchanges its own shard: n is the per-rank tensor
+            n /= cluster.mesh_shape[d]
         out.append(Collective(kind, d, n, cluster.collective_time(kind, n, d)))
     return out
 

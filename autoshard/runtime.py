@@ -123,15 +123,18 @@ class DistributedModule(nn.Module):
         return outs[0] if len(outs) == 1 else outs
 
     # --- state dict --------------------------------------------------------------------------
-    def expected_state(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Every state-dict key with its global shape and dtype (what a checkpoint must hold)."""
-        return {k: (tuple(v.shape), v.dtype) for k, v in self.state_dict().items() if isinstance(v, torch.Tensor)}
+    def expected_state(self, optional=None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every state-dict key with its global shape and dtype (what a checkpoint must hold).
+        Given the keys a source holds (``optional``), a tied alias it lacks is left out: its
+        primary carries the same tensor (checkpoints saved before the tie was known load)."""
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.state_dict().items() if isinstance(v, torch.Tensor)
+                and (optional is None or k not in self._aliases or k in optional)}
 
     def check_state_dict(self, state_dict, *, strict: bool = True, source: str = "the state dict") -> None:
         """Raise RuntimeMismatchError naming every global shape that differs from this module's
         and, with ``strict``, every key missing from ``state_dict`` or in it but not here."""
         found = {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-        check_against(self.expected_state(), found, strict=strict, source=source)
+        check_against(self.expected_state(optional=found), found, strict=strict, source=source)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load DTensors in any placement (redistributed to this plan's storage) or plain full
@@ -148,7 +151,8 @@ class DistributedModule(nn.Module):
             else:
                 converted[key] = value.full_tensor() if isinstance(value, DTensor) else value
         super().load_state_dict(converted, strict=False, assign=assign)
-        return _IncompatibleKeys([k for k in own if k not in state_dict], [k for k in state_dict if k not in own])
+        missing = [k for k in own if k not in state_dict and k not in self._aliases]
+        return _IncompatibleKeys(missing, [k for k in state_dict if k not in own])
 
 
 def _to_placements(value: torch.Tensor, mesh, placements) -> DTensor:

@@ -40,8 +40,13 @@ def _token(node: fx.Node) -> tuple:
     outs = tuple(shape(v) for v in (val if isinstance(val, (tuple, list)) else (val,)))
     # nodes (also inside lists, e.g. cat's) by shape: their names differ from layer to layer
     args = repr(_torch.tree_map_only(fx.Node, lambda a: shape(a.meta.get("val")), (node.args, node.kwargs)))
-    strategies = tuple(str(s) for s in node.meta[META_KEY].strategies)
-    return (str(node.target), outs, args, hash(strategies))
+    strategies = node.meta[META_KEY].strategies
+    if id(strategies) not in _SIGNATURES:  # lists are shared between identical nodes
+        _SIGNATURES[id(strategies)] = (strategies, hash(tuple(s.text for s in strategies)))
+    return (str(node.target), outs, args, _SIGNATURES[id(strategies)][1])
+
+
+_SIGNATURES: dict[int, tuple] = {}  # id(list) -> (the list, kept alive so ids stay unique; its hash)
 
 
 def _period(tokens: list) -> tuple[int, int, int] | None:

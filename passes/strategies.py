@@ -27,6 +27,7 @@ import itertools
 import operator
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.fx as fx
@@ -46,9 +47,13 @@ class Strategy:
     inputs: tuple[Placements | None, ...]    # per tensor input (tensor_inputs(node) order)
     shards: int = 1                          # ranks the op's work is split over
 
-    def __str__(self) -> str:
+    @cached_property
+    def text(self) -> str:
         fmt = lambda p: "-" if p is None else "(" + ",".join(placement_str(x) for x in p) + ")"  # noqa: E731
         return ",".join(fmt(p) for p in self.inputs) + "->" + ",".join(fmt(p) for p in self.outputs)
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @dataclass
@@ -70,7 +75,21 @@ def placement_str(p: Placement) -> str:
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """A node's tensor arguments in DTensor's order (args, then kwargs), duplicates kept."""
-    return [a for a in _torch.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+    out: list[fx.Node] = []
+
+    def walk(a) -> None:
+        if isinstance(a, fx.Node):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+
+    walk(node.args)
+    walk(node.kwargs)
+    return out
 
 
 def value_of(node: fx.Node) -> tuple[fx.Node, int]:
@@ -100,6 +119,8 @@ def _even(placements: Placements | None, shape, mesh_shape) -> bool:
         return True
     split = [1] * len(shape)
     for p, m in zip(placements, mesh_shape):
+        if m == 1 and not isinstance(p, Replicate):  # a mesh dim of one device splits nothing
+            return False
         if isinstance(p, _torch.StridedShard) or (isinstance(p, Shard) and type(p) is not Shard):
             return False
 
@@ -235,6 +256,21 @@ def _cache_key(node: fx.Node):
         return None
 
 
+def _strategies(node: fx.Node, mesh, mesh_shape, rep) -> tuple[list[Strategy], str | None]:
+    raw, reason = _enumerate(node, mesh)
+    seen: dict[Strategy, None] = {}
+    for outs, ins in raw:
+        if _keep(node, outs, ins, mesh_shape):
+            seen.setdefault(Strategy(outs, ins, _shards(outs, ins, mesh_shape)))
+    # Canonical order: DTensor's rules iterate sets whose order varies between processes
+    # (string hashing), and every rank must see the same problem to pick the same plan.
+    strategies = sorted(seen, key=str)
+    if not strategies:  # every rule shards unevenly here: replicate is always valid
+        n_out = len(_tensor_vals(node.meta["val"]))
+        strategies = [Strategy(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)), 1)]
+    return strategies, reason
+
+
 def find_strategies(gm: fx.GraphModule, mesh, *, param_nodes=(), strict: bool = False) -> list[tuple[str, str]]:
     """Fill ``node.meta["autoshard.strategies"]``; returns the (node, reason) fallbacks."""
     from autoshard.passes import rules  # noqa: F401 - registers autoshard's own rules
@@ -258,23 +294,15 @@ def find_strategies(gm: fx.GraphModule, mesh, *, param_nodes=(), strict: bool = 
                 isinstance(node.args[0].meta.get("val"), (tuple, list)):
             node.meta[META_KEY] = NodeStrategies(alias_of=(node.args[0], node.args[1]))
             continue
+        # One enumeration per distinct (op, shapes, arguments, input options): repeated layers
+        # share the (immutable) result.
         key = _cache_key(node)
         if key is not None and key in cache:
-            raw, reason = cache[key]
+            strategies, reason = cache[key]
         else:
-            raw, reason = _enumerate(node, mesh)
+            strategies, reason = _strategies(node, mesh, mesh_shape, rep)
             if key is not None:
-                cache[key] = (raw, reason)
-        seen: dict[Strategy, None] = {}
-        for outs, ins in raw:
-            if _keep(node, outs, ins, mesh_shape):
-                seen.setdefault(Strategy(outs, ins, _shards(outs, ins, mesh_shape)))
-        # Canonical order: DTensor's rules iterate sets whose order varies between processes
-        # (string hashing), and every rank must see the same problem to pick the same plan.
-        strategies = sorted(seen, key=str)
-        if not strategies:  # every rule shards unevenly here: replicate is always valid
-            n_out = len(_tensor_vals(val))
-            strategies = [Strategy(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)), 1)]
+                cache[key] = (strategies, reason)
         if reason is not None:
             if strict:
                 raise NoShardingRuleError(f"node {node.name}: {reason}. Register a rule with "

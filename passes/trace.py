@@ -44,6 +44,7 @@ class TracedModel:
     grads: dict[str, fx.Node | None]           # parameter name -> gradient node
     input_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     fingerprint: str = ""
+    trace_time: float = 0.0                    # seconds spent tracing and annotating
 
 
 def _fake_like(fake_mode, t: torch.Tensor) -> torch.Tensor:

@@ -117,8 +117,9 @@ def _edge_cost(problem: Problem, e, x) -> tuple[list, list]:
 
 
 def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_limit: float = 60.0,
-          backend: str = "HIGHS", minimize: str = "time") -> Solution:
-    """``minimize="memory"`` finds the smallest feasible peak instead (for infeasibility reports)."""
+          backend: str = "HIGHS", minimize: str = "time", mip_gap: float = 1e-4) -> Solution:
+    """``minimize="memory"`` finds the smallest feasible peak instead (for infeasibility reports).
+    The solve stops once the plan is proven within ``mip_gap`` (relative) of the optimum."""
     start = time.perf_counter()
     costmodel.set_resharding_cluster(cluster)
     solver = pywraplp.Solver.CreateSolver(backend)
@@ -159,7 +160,9 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         for var, coef in mem.terms:
             objective.SetCoefficient(var, objective.GetCoefficient(var) + coef / MB)
     objective.SetMinimization()
-    status = solver.Solve()
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
+    status = solver.Solve(params)
     elapsed = time.perf_counter() - start
     if status == pywraplp.Solver.INFEASIBLE:
         raise InfeasibleError("no plan satisfies the constraints and the memory limit")

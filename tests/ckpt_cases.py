@@ -142,10 +142,13 @@ def two_rank_suite(tmp: str) -> dict:
     out["state_keys"] = sorted(dm.state_dict())
     out["single_keys"] = sorted(model.state_dict())
     msd, osd = get_state_dict(dm, opt)
+    out["get_state_dict_keys"] = sorted(msd)
     out["dtensor_values"] = all(isinstance(v, DTensor) for v in msd.values()) and all(
         isinstance(s["exp_avg"], DTensor) for s in osd["state"].values())
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "fsdp"))
     dcp.save(dm.state_dict(), checkpoint_id=os.path.join(tmp, "fsdp_model_only"))
+    untied = {k: v for k, v in dm.state_dict().items() if k != "head.weight"}  # saved before the tie was known
+    dcp.save(untied, checkpoint_id=os.path.join(tmp, "fsdp_untied"))
     if rank == 0:
         torch.save(saved, os.path.join(tmp, SAVED))
 
@@ -170,6 +173,9 @@ def two_rank_suite(tmp: str) -> dict:
     dcp.load(sd, checkpoint_id=os.path.join(tmp, "fsdp_model_only"))
     tp.load_state_dict(sd)
     out["tp_model_only_vs_saved"] = _max_diff(_snapshot(tp, tp_opt)["param"], saved["param"])
+    _scramble(tp)
+    ckpt.load(os.path.join(tmp, "fsdp_untied"), tp)
+    out["tp_untied_vs_saved"] = _max_diff(_snapshot(tp, tp_opt)["param"], saved["param"])
     _scramble(tp)
     # model and optimizer through get_state_dict / dcp.load / set_state_dict
     msd2, osd2 = get_state_dict(tp, tp_opt)
@@ -231,4 +237,13 @@ def four_rank_load(tmp: str) -> dict:
     _, dm = _compile(5, MESH_2D, PLAN_2D)
     opt = _opt(dm)
     ckpt.load(os.path.join(tmp, "fsdp"), dm, opt)
-    return {"storage": sorted(set(dm.plan.storage.values())), **_resume_errors(dm, opt, saved, ref)}
+    full = ckpt.full_state_dict(dm)
+    out = {"storage": sorted(set(dm.plan.storage.values())),
+           "export_vs_saved": _max_diff({n: full[n] for n in saved["param"]}, saved["param"]) if full else None,
+           "group_timeouts": [_timeout(dist.group.WORLD)] + [_timeout(dm.mesh.get_group(d)) for d in range(dm.mesh.ndim)]}
+    return {**out, **_resume_errors(dm, opt, saved, ref)}
+
+
+def _timeout(group) -> float:
+    """A process group's collective timeout in seconds (private torch API: test-only)."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()

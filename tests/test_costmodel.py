@@ -139,8 +139,6 @@ def test_shard_to_shard_is_all_to_all_kind(one_node):
     assert (c.kind, c.mesh_dim) == ("all_to_all", 1)
 
 
-@pytest.mark.xfail(strict=True, reason="costmodel.resharding prices Shard(i)->Shard(j) on the global tensor: "
-                   "all_to_all's n is each rank's tensor (N/p), so it overcharges by p; patch proposed")
 def test_shard_to_shard_all_to_all_bytes(one_node):
     # Each rank holds N/8 and keeps 1/8 of it: it sends 7/8 * N/8 = (p-1)/p * n with n = N/8.
     c = _one(costmodel.resharding(one_node, (R, Shard(0)), (R, Shard(1)), N))
