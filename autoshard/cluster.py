@@ -260,7 +260,8 @@ class Cluster:
 
     def __init__(self, mesh_shape: Sequence[int] | int, mesh_dim_names: Sequence[str] | None = None,
                  device: DeviceSpec | None = None, links: Sequence[LinkSpec] | None = None, *,
-                 ranks_per_node: int | None = None, calibration: dict | None = None):
+                 ranks_per_node: int | None = None, calibration: dict | None = None,
+                 levels: Sequence[Sequence[tuple[int, LinkSpec]]] | None = None):
         shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
         if not shape:
             raise ClusterError("mesh_shape is empty; give at least one dimension, e.g. (world_size,)")
@@ -296,6 +297,16 @@ class Cluster:
             if not isinstance(link, LinkSpec):
                 raise ClusterError(f"links must be LinkSpec objects, got {type(link).__name__}")
 
+        # levels[d]: the hardware levels mesh dim d spans, innermost first, as (ranks, link). A
+        # logical dim that spans NVLink and the network (16 GPUs as one dim over 2 nodes) is priced
+        # over both levels, hierarchically, not as its fast or its slow link alone.
+        self.levels: tuple[tuple[tuple[int, LinkSpec], ...], ...] = (
+            tuple(((p, l),) for p, l in zip(shape, self.links)) if levels is None
+            else tuple(tuple((int(p), l) for p, l in lv) for lv in levels))
+        if len(self.levels) != self.ndim or any(math.prod(p for p, _ in lv) != size
+                                                for lv, size in zip(self.levels, shape)):
+            raise ClusterError(f"levels {levels} do not multiply to the mesh shape {shape}; give, per mesh "
+                               "dim, (ranks, LinkSpec) pairs whose ranks multiply to that dim's size")
         self.ranks_per_node = self.world_size if ranks_per_node is None else ranks_per_node
         if not _is_count(self.ranks_per_node):
             raise ClusterError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
@@ -353,17 +364,24 @@ class Cluster:
         return calibrate(process_group, save=save, **options)
 
     def with_mesh(self, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None = None) -> Cluster:
-        """Same hardware, another logical mesh. Links stay per dim when the number of dims is
-        unchanged; otherwise which link a new dim maps to is unknown, so every dim gets the slowest
-        link (an upper bound on every collective)."""
+        """Same hardware, another logical mesh (row-major over the ranks, as DeviceMesh lays it
+        out): the innermost logical dim takes the innermost hardware level first, so (16,) over 2
+        nodes of 8 spans NVLink x 8 then the network x 2, and (4, 4) gives the inner dim 4 GPUs of a
+        node and the outer dim 2 GPUs x 2 nodes. A grid that does not factor so gets the slowest link
+        on every dim (an upper bound)."""
         shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
-        if len(shape) == self.ndim:
-            links = list(self.links)
+        if shape == self.mesh_shape:
             names = self.mesh_dim_names if mesh_dim_names is None else mesh_dim_names
-        else:
+            return Cluster(shape, names, self.device, self.links, ranks_per_node=self.ranks_per_node,
+                           levels=self.levels)
+        levels = _map_levels(shape, [lv for dim in reversed(self.levels) for lv in dim])
+        if levels is None:  # the new grid does not factor over the hardware levels: bound it
             slowest = min(self.links, key=lambda l: (l.effective_bandwidth, -l.latency))
-            links, names = [slowest] * len(shape), mesh_dim_names
-        return Cluster(shape, names, self.device, links, ranks_per_node=self.ranks_per_node)
+            levels = [((p, slowest),) for p in shape]
+        slowest_of = lambda lv: min((l for _, l in lv), key=lambda l: (l.effective_bandwidth, -l.latency))  # noqa: E731
+        links = [slowest_of(lv) if lv else self.links[-1] for lv in levels]
+        return Cluster(shape, mesh_dim_names, self.device, links, ranks_per_node=self.ranks_per_node,
+                       levels=[lv if lv else ((1, self.links[-1]),) for lv in levels])
 
     # --- costs -------------------------------------------------------------------------------
     @property
@@ -423,7 +441,7 @@ class Cluster:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         dims = self._resolve_dims(mesh_dims)
         # Fastest first; ties broken by lower latency, then the later (innermost) mesh dim.
-        levels = sorted(((self.mesh_shape[d], self.links[d], d) for d in dims if self.mesh_shape[d] > 1),
+        levels = sorted(((p, link, d) for d in dims for p, link in self.levels[d] if p > 1),
                         key=lambda t: (-t[1].effective_bandwidth, t[1].latency, -t[2]))
         if not levels or nbytes == 0:
             return 0.0
@@ -459,6 +477,8 @@ class Cluster:
                "device": asdict(self.device), "links": [asdict(l) for l in self.links]}
         if self.calibration is not None:
             doc["calibration"] = self.calibration
+        if any(lv != ((p, l),) for lv, p, l in zip(self.levels, self.mesh_shape, self.links)):
+            doc["levels"] = [[[p, asdict(l)] for p, l in lv] for lv in self.levels]
         return json.dumps(doc, sort_keys=True, indent=2)
 
     @classmethod
@@ -474,7 +494,9 @@ class Cluster:
         try:
             return cls(doc["mesh_shape"], doc["mesh_dim_names"], DeviceSpec(**doc["device"]),
                        [LinkSpec(**l) for l in doc["links"]], ranks_per_node=doc["ranks_per_node"],
-                       calibration=doc.get("calibration"))
+                       calibration=doc.get("calibration"),
+                       levels=None if "levels" not in doc else
+                       [[(p, LinkSpec(**l)) for p, l in lv] for lv in doc["levels"]])
         except (KeyError, TypeError) as e:
             raise ClusterError(f"cluster JSON is missing or has a malformed field ({e!r}); "
                                "regenerate it with Cluster.to_json()") from e
@@ -500,6 +522,28 @@ def _ring(kind: str, n: float, p: int, link: LinkSpec) -> float:
         return 0.0
     rounds = 2 if kind == "all_reduce" else 1
     return rounds * ((p - 1) / p * n / link.effective_bandwidth + (p - 1) * link.latency)
+
+
+def _map_levels(shape, physical: list[tuple[int, LinkSpec]]):
+    """Split the hardware levels (innermost first) over the logical dims (innermost first)."""
+    remaining = list(physical)
+    out: list[list[tuple[int, LinkSpec]]] = []
+    for q in reversed(shape):
+        mine = []
+        while q > 1:
+            if not remaining:
+                return None
+            p, link = remaining[0]
+            take = math.gcd(p, q)
+            if take == 1:
+                return None
+            mine.append((take, link))
+            q //= take
+            remaining[0] = (p // take, link)
+            if remaining[0][0] == 1:
+                remaining.pop(0)
+        out.append(mine)
+    return list(reversed(out))
 
 
 def _hierarchical(kind: str, n: float, levels: list[tuple[int, LinkSpec]]) -> float:

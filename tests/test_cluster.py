@@ -256,13 +256,24 @@ def test_corrupt_json(text, match):
 
 def test_with_mesh():
     c = Cluster.preset("dgx-a100-80gb", nodes=2)
-    same = c.with_mesh((4, 4))
+    same = c.with_mesh((2, 8))
     assert same.links == c.links and same.mesh_dim_names == ("node", "gpu") and same.device == c.device
+    nv, ib = c.links[1], c.links[0]
+    # (16,) over 2 nodes of 8 spans NVLink x 8 then IB x 2: priced like the 2-D collective over both
     flat = c.with_mesh((16,), ("dp",))
-    assert flat.links == (c.links[0],)  # the slowest (IB) link
-    assert flat.mesh_dim_names == ("dp",)
+    assert flat.levels == (((8, nv), (2, ib)),) and flat.mesh_dim_names == ("dp",)
+    n = 2**30
+    assert flat.collective_time("all_reduce", n, 0) == pytest.approx(c.collective_time("all_reduce", n, (0, 1)))
+    # ... which is far cheaper than pricing all 16 ranks on the slow link alone
+    assert flat.collective_time("all_reduce", n, 0) < 0.5 * Cluster((16,), device=c.device, links=[ib]).collective_time(
+        "all_reduce", n, 0)
+    # (4, 4): the inner dim is 4 GPUs of a node; the outer dim 2 GPUs x 2 nodes
+    grid = c.with_mesh((4, 4))
+    assert grid.levels == (((2, nv), (2, ib)), ((4, nv),))
+    assert grid.links == (ib, nv)
     three = c.with_mesh((2, 2, 4))
-    assert three.mesh_dim_names == ("d0", "d1", "d2") and all(l.name == "IB HDR" for l in three.links)
+    assert three.mesh_dim_names == ("d0", "d1", "d2") and three.levels == (((2, ib),), ((2, nv),), ((4, nv),))
+    assert Cluster.from_json(grid.to_json()) == grid
 
 
 # --- validation -------------------------------------------------------------------------------------
