@@ -83,13 +83,19 @@ def load(path: str | os.PathLike, module: DistributedModule, optimizer: torch.op
         dcp.load(sd, checkpoint_id=path)
         module.load_state_dict(sd)
         return
-    target = state_dict(module, optimizer)
+    fresh = optimizer is not None and not any(optimizer.state.values())
+    target = state_dict(module, optimizer)  # a fresh optimizer's state is initialized here
     target["model"] = {k: v for k, v in target["model"].items() if k in expected}  # tied aliases it lacks
     if optimizer is not None:
         want, have = _flat(target["optim"].get("state", {}), ""), _section(saved, "optim.state.")
-        if not have:
-            raise RuntimeMismatchError(f"{source} holds no optimizer state; load it without the optimizer")
-        check_against(want, {k: v for k, v in have.items() if k in want}, source=f"{source} (optimizer state)")
+        try:
+            if not have:
+                raise RuntimeMismatchError(f"{source} holds no optimizer state; load it without the optimizer")
+            check_against(want, {k: v for k, v in have.items() if k in want}, source=f"{source} (optimizer state)")
+        except RuntimeMismatchError:
+            if fresh:
+                optimizer.state.clear()  # leave it as it came
+            raise
     dcp.load(target, checkpoint_id=path)
     load_state_dict(module, optimizer, target)
 

@@ -10,7 +10,6 @@ parameters). Errors a case provokes on purpose come back as ``"TypeName: message
 
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
@@ -213,6 +212,10 @@ def two_rank_suite(tmp: str) -> dict:
     out["mismatch_names_rev"] = _error(lambda: ckpt.load(os.path.join(tmp, "fsdp"), mlp))
     out["mismatch_shapes"] = _error(lambda: ckpt.load(os.path.join(tmp, "mlp"), wide))
     out["mismatch_no_optim"] = _error(lambda: ckpt.load(os.path.join(tmp, "fsdp_model_only"), tp, tp_opt2))
+    ckpt.save(os.path.join(tmp, "fsdp_weights"), dm)  # save()'s layout, model alone
+    fresh = _opt(tp)
+    out["mismatch_no_optim_nested"] = _error(lambda: ckpt.load(os.path.join(tmp, "fsdp_weights"), tp, fresh))
+    out["fresh_optimizer_untouched"] = not fresh.state
     out["mismatch_missing_dir"] = _error(lambda: ckpt.load(os.path.join(tmp, "nothing_here"), tp))
     out["mismatch_full"] = _error(lambda: ckpt.load_full_state_dict(wide, MLP().state_dict()))
     out["mismatch_full_rank0"] = _error(lambda: ckpt.load_full_state_dict(

@@ -130,6 +130,8 @@ def test_checkpoint_with_other_shapes_names_both_shapes(two):
 
 def test_checkpoint_without_optimizer_state_when_one_is_asked_for(two):
     assert "no optimizer state" in _mismatch(two, "mismatch_no_optim")
+    assert "no optimizer state" in _mismatch(two, "mismatch_no_optim_nested")
+    assert all(r["fresh_optimizer_untouched"] for r in two)
 
 
 def test_missing_checkpoint_directory(two):
