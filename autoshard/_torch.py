@@ -44,7 +44,7 @@ __all__ = [
     "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "TupleStrategy", "RuntimeSchemaInfo",
     "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "sharding_propagator",
     "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
-    "tree_leaves", "tree_map", "tree_map_only",
+    "tree_leaves", "tree_map", "tree_map_only", "default_group_options",
 ]
 
 
@@ -57,6 +57,13 @@ def planning_mesh(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) 
     """A DeviceMesh for planning only: no process group, no backend, any world size."""
     ranks = torch.arange(int(torch.tensor(mesh_shape).prod().item())).view(mesh_shape)
     return DeviceMesh("cpu", ranks, mesh_dim_names=mesh_dim_names, _init_backend=False, _rank=0)
+
+
+def default_group_options(device_type: str):
+    """The default process group's backend options (timeout, ...), to give a mesh's sub-groups."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD._get_backend(torch.device(device_type)).options
 
 
 def flop_formula(op) -> Callable[..., int] | None:

@@ -229,8 +229,13 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
 
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    # sub-groups of an N-D mesh inherit the user's process-group options (its timeout above all:
+    # a dead peer must fail the job in the user's time, not torch's 30-minute default)
+    override = ({d: _torch.default_group_options(device_type) for d in range(len(cluster.mesh_shape))}
+                if len(cluster.mesh_shape) > 1 else None)
     mesh = torch.distributed.device_mesh.init_device_mesh(device_type, tuple(cluster.mesh_shape),
-                                                          mesh_dim_names=tuple(cluster.mesh_dim_names))
+                                                          mesh_dim_names=tuple(cluster.mesh_dim_names),
+                                                          backend_override=override)
     rep = [Replicate()] * mesh.ndim
 
     def distribute(full: torch.Tensor, placements) -> DTensor:
@@ -253,4 +258,9 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         local_primals.append(torch.zeros(shape, dtype=val.dtype, device=device))
     joint, n_out = local_joint(traced, choice, mesh, local_primals)
     fw, bw = split(joint, n_out, frozenset(n.name for n in plan.nodes if n.recompute))
-    return DistributedModule(plan, mesh, fw, bw, n_out, params, buffers, input_pl, traced.input_meta)
+    first, aliases = {}, {}  # tied weights: every name the model uses for a shared parameter
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            aliases[name] = first[id(p)]
+    return DistributedModule(plan, mesh, fw, bw, n_out, params, buffers, input_pl, traced.input_meta,
+                             aliases=aliases)

@@ -83,8 +83,6 @@ def test_fsdp_checkpoint_resumes_on_four_ranks_under_a_2d_plan(four):
     assert four[0]["export_vs_saved"] == 0.0 and all(r["export_vs_saved"] is None for r in four[1:])
 
 
-@pytest.mark.xfail(reason="api.compile builds the 2-D mesh's sub-groups with gloo's 30-minute default "
-                          "timeout; fixed by the proposed backend_override patch", strict=False)
 def test_2d_mesh_sub_groups_use_the_process_group_timeout(four):
     for r in four:
         world, *dims = r["group_timeouts"]
