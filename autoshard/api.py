@@ -15,7 +15,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
 from autoshard.passes.rewrite import local_joint, split
-from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
+from autoshard.passes.strategies import META_KEY, find_strategies, placement_str
 from autoshard.passes.trace import TracedModel, trace as _trace
 from autoshard.plan import NodeDecision, Plan
 from autoshard.runtime import DistributedModule

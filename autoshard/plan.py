@@ -2,7 +2,7 @@
 
 A plan names nodes of the traced joint graph; its ``fingerprint`` (graph) and ``cluster``
 fingerprint tie it to one model, input shapes and cluster, so a plan is never run on another.
-Rendering (text tables, Graphviz DOT, the HTML report) lives in :mod:`autoshard.report`; this
+Rendering lives in :mod:`autoshard.report` (text tables) and :mod:`autoshard.report_html` (DOT, HTML); this
 module holds the data, its JSON form and the checks on it.
 
 >>> plan = autoshard.plan(model, Cluster.preset("dgx-h100", nodes=2), inputs)   # doctest: +SKIP

@@ -28,17 +28,6 @@ WORLD_SIZE = 2
 console = Console()
 
 
-def gpt2_init(model: torch.nn.Module) -> torch.nn.Module:
-    """GPT-2's initialization (normal, std 0.02; zero biases): with the head tied to the token
-    embedding, PyTorch's default N(0, 1) embedding init would start the loss far above ln(vocab)."""
-    for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, torch.nn.Linear) and m.bias is not None:
-            torch.nn.init.zeros_(m.bias)
-    return model
-
-
 def plan_gpt2() -> None:
     cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
     console.rule(f"[bold]1. Plan GPT-2 small (124M) for 2 x DGX H100, mesh {cluster.mesh_shape}")
@@ -60,7 +49,7 @@ def train_tiny() -> tuple[str, list[tuple[float, float | None]]]:
     import torch.distributed as dist
 
     torch.manual_seed(SEED)
-    model = gpt2_init(GPT(GPTConfig.tiny()))
+    model = GPT(GPTConfig.tiny())  # GPT-2 initialization (the zoo does it)
     reference = copy.deepcopy(model)          # same weights, trained on one device below
     batch = model.example_inputs(BATCH, generator=torch.Generator().manual_seed(SEED))
 

@@ -1,4 +1,5 @@
-"""Plan GPT-2 small (124M) for a cluster preset without any GPU, and save the plan as JSON.
+"""Plan GPT-2 small (124M) for a cluster preset without any GPU, and save the plan as JSON, an
+HTML report (graph, table and memory plot in one self-contained file) or Graphviz DOT.
 
     python examples/plan_gpt2.py                          # 2 DGX H100 nodes -> plan.json
     python examples/plan_gpt2.py --cluster hgx-h200:4 --batch 32 --out h200.json
@@ -34,7 +35,8 @@ def main() -> None:
                    help=f"cluster preset and node count (default dgx-h100:2); presets: {', '.join(sorted(PRESETS))}")
     p.add_argument("--batch", type=int, default=8, help="global batch in sequences of 1024 tokens (default 8)")
     p.add_argument("--time-limit", type=float, default=120.0, help="solver time limit in seconds")
-    p.add_argument("--out", default="plan.json", help="where to write the plan JSON (default plan.json)")
+    p.add_argument("--out", default="plan.json", nargs="+",
+                   help="files to write, by extension: .json, .html (report), .dot (default plan.json)")
     args = p.parse_args()
 
     config = GPTConfig.gpt2_small()
@@ -46,11 +48,18 @@ def main() -> None:
     plan = autoshard.plan(model, args.cluster, (idx, targets), time_limit=args.time_limit)
     seconds = time.perf_counter() - t0
     print(plan.summary())
-    with open(args.out, "w") as f:
-        f.write(plan.to_json())
+    outs = [args.out] if isinstance(args.out, str) else args.out
+    for out in outs:
+        if out.endswith(".html"):
+            plan.save_html(out)
+        elif out.endswith(".dot"):
+            with open(out, "w") as f:
+                f.write(plan.to_dot())
+        else:
+            plan.save(out)
     print(f"GPT-2 small, batch {args.batch}x{config.seq}, on {args.cluster}: predicted step "
           f"{plan.step_time * 1e3:.2f} ms, peak {plan.peak_memory / 2**30:.2f} GiB/device, "
-          f"solver {plan.solver['status']}; planned in {seconds:.1f}s; plan written to {args.out}")
+          f"solver {plan.solver['status']}; planned in {seconds:.1f}s; wrote {', '.join(outs)}")
 
 
 if __name__ == "__main__":

@@ -26,17 +26,6 @@ from autoshard.cluster import PRESETS
 from autoshard.zoo import GPT, GPTConfig
 
 
-def gpt2_init(model: torch.nn.Module) -> torch.nn.Module:
-    """GPT-2's initialization (normal, std 0.02; zero biases): with the head tied to the token
-    embedding, PyTorch's default N(0, 1) embedding init would start the loss far above ln(vocab)."""
-    for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, torch.nn.Linear) and m.bias is not None:
-            torch.nn.init.zeros_(m.bias)
-    return model
-
-
 def parse_args() -> argparse.Namespace:
     tiny = GPTConfig.tiny()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -86,7 +75,7 @@ def main() -> None:
     try:
         config = GPTConfig(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
         torch.manual_seed(args.seed)
-        model = gpt2_init(GPT(config))  # built on CPU; compile copies each rank's shard of every parameter to `device`
+        model = GPT(config)  # built on CPU; compile copies each rank's shard of every parameter to `device`
         cluster = make_cluster(args, world_size, on_gpu)
         example = batch_for(0, config, args.batch, "cpu")  # shapes of the global batch
         plan = autoshard.Plan.from_json(open(args.plan).read()) if args.plan else None
