@@ -7,6 +7,7 @@ thread and a fixed seed make the same problem give the same answer.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -44,24 +45,28 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x) -> _Me
     for v, u in mm.base_of.items():  # saving a view holds its base: recomputing the base frees nothing
         solver.Add(keep[u] >= keep[v])
 
-    # recompute cost: rc_v >= sum_s c[v,s] x[v,s] - max_s c[v,s] (1 - r_v); a nanosecond per
-    # recomputed node breaks ties towards saving (recomputing a free view gains nothing)
+    # The products x[v,s] * r_v and x[v,s] * keep_v in their tight (convex-hull) form:
+    #   z[v,s] <= x[v,s],  sum_s z[v,s] = b_v   (b = r or keep)  =>  z = x * b for binary x, b
+    def product(v, b):
+        z = {s: solver.NumVar(0, 1, "") for s in problem.allowed[v]}
+        for s, var in z.items():
+            solver.Add(var <= x[v, s])
+        solver.Add(solver.Sum(list(z.values())) == b)
+        return z
+
+    # recompute cost: sum_s c[v,s] x[v,s] r_v; a nanosecond per recomputed node breaks ties
+    # towards saving (recomputing a free view gains nothing)
     for v, rv in r.items():
         objective.SetCoefficient(rv, 1e-3)
-        c_max = max(problem.cost[v][s] for s in problem.allowed[v])
-        if c_max > 0:
-            rc = solver.NumVar(0, solver.infinity(), "")
-            solver.Add(rc >= solver.Sum([var * c for var, c in expr(problem.cost, v)]) - c_max * (1 - rv))
-            objective.SetCoefficient(rc, US)
+        if max(problem.cost[v][s] for s in problem.allowed[v]) > 0:
+            for s, var in product(v, rv).items():
+                objective.SetCoefficient(var, problem.cost[v][s] * US)
 
-    # saved activations: saved_v >= sum_s act[v,s] x[v,s] - max_s act[v,s] (1 - keep_v)
+    # saved activations: sum_s act[v,s] x[v,s] keep_v
     saved_terms = []
     for v, kv in keep.items():
-        a_max = max((mm.act[v][s] for s in problem.allowed[v]), default=0.0)
-        if a_max > 0:
-            sv = solver.NumVar(0, solver.infinity(), "")
-            solver.Add(sv >= solver.Sum([var * (a / MB) for var, a in expr(mm.act, v)]) - (a_max / MB) * (1 - kv))
-            saved_terms.append((sv, MB))
+        if max((mm.act[v][s] for s in problem.allowed[v]), default=0.0) > 0:
+            saved_terms += [(var, mm.act[v][s]) for s, var in product(v, kv).items()]
 
     # transient working set: T >= sum_s work[v,s] x[v,s] for every op
     t = solver.NumVar(0, solver.infinity(), "")
@@ -125,7 +130,10 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise SolverError(f"OR-Tools backend {backend!r} is not available in this build")
-    solver.SuppressOutput()
+    if os.environ.get("AUTOSHARD_SOLVER_LOG"):  # HiGHS progress, for diagnosing slow solves
+        solver.EnableOutput()
+    else:
+        solver.SuppressOutput()
     solver.SetNumThreads(1)
     solver.SetTimeLimit(int(time_limit * 1000))
     objective = solver.Objective()
