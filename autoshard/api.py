@@ -18,6 +18,7 @@ from autoshard.passes.rewrite import local_joint, split
 from autoshard.passes.strategies import META_KEY, find_strategies, placement_str
 from autoshard.passes.trace import TracedModel, trace as _trace
 from autoshard.plan import NodeDecision, Plan
+from autoshard.progress import Progress
 from autoshard.runtime import DistributedModule
 from autoshard.solver.formulation import formulate
 from autoshard.passes.coarsen import repeated_layers
@@ -50,19 +51,23 @@ def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool):
 
 def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | None = None,
          memory_limit: float | None = None, recompute: bool = True, share_layers: bool = True,
-         strict: bool = False, time_limit: float = 120.0) -> Plan:
+         strict: bool = False, time_limit: float = 120.0, progress: bool | None = None) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
     ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
     predicted peak; ``recompute=False`` forbids recomputing activations; ``share_layers=False``
-    gives every repeated layer its own decisions (the exact, larger problem). Raises
+    gives every repeated layer its own decisions (the exact, larger problem); ``progress`` shows
+    each stage on stderr (default: when stderr is a terminal). Raises
     :class:`~autoshard.errors.InfeasibleError` with ``min_memory`` when no plan fits."""
     t0 = time.perf_counter()
-    traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
+    progress = Progress(progress)
+    with progress.stage("tracing and strategies"):
+        traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
     t1 = time.perf_counter()
-    problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
-                                      share_layers)
+    with progress.stage("formulating and solving"):
+        problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
+                                          share_layers)
     t2 = time.perf_counter()
     result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
     result.stats = {"trace_s": traced.trace_time if model is not traced else 0.0,
