@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate
 
 from autoshard import costmodel
 from autoshard.errors import ConstraintError
+from autoshard.passes.annotate import is_free
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 
 
@@ -37,6 +38,7 @@ class Edge:
     fixed: tuple | None = None   # required placement when dst is None
     kind: str = "input"          # input | output | grad
     weight: float = 1.0          # how many identical edges this one stands for (repeated layers)
+    aligned: bool = False        # the consumer must take the producer's placement (no resharding)
 
 
 @dataclass
@@ -98,13 +100,18 @@ def formulate(traced, cluster, constraints: dict | None = None) -> Problem:
             allowed[node] = _restrict(node, pl, f"parameter {name}")
 
     problem = Problem(nodes, cost, allowed)
+    params = {node for _, node in traced.params}
     for v in nodes:
         if v.op != "call_function":
             continue
         for i, arg in enumerate(tensor_inputs(v)):
             u, k = value_of(arg)
+            # A view of a parameter takes the parameter's storage placement: the gather happens at
+            # each consumer, forward and backward, so no gathered copy lives from one to the other
+            # (FSDP's reshard-after-forward) and the view costs no memory, as the memory model says.
             problem.edges.append(Edge(u, k, v, [s.inputs[i] for s in v.meta[META_KEY].strategies],
-                                      costmodel.tensor_nbytes(arg.meta["val"])))
+                                      costmodel.tensor_nbytes(arg.meta["val"]),
+                                      aligned=u in params and is_free(v)))
     for out in traced.outputs:
         if out is not None:
             u, k = value_of(out)
@@ -139,7 +146,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
             merged[key].weight += e.weight
         else:
             merged[key] = Edge(r(e.src), e.src_out, None if e.dst is None else r(e.dst), e.dst_in, e.nbytes,
-                               e.fixed, e.kind, e.weight)
+                               e.fixed, e.kind, e.weight, e.aligned)
     shared.edges = list(merged.values())
 
     from autoshard.solver.memory import MemoryModel

@@ -148,8 +148,21 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         if len(allowed) > 1:
             solver.Add(solver.Sum([x[v, s] for s in allowed]) == 1)
 
+    # Aligned edges: sum_{s: in_e(s) = p} x[v,s] = sum_{s: out_e(s) = p} x[u,s] for every placement p
+    for e in problem.edges:
+        if e.aligned and e.dst is not e.src:
+            by = {}
+            for s in problem.allowed[e.src]:
+                by.setdefault(problem.src_placement(e, s), ([], []))[0].append(x[e.src, s])
+            for s in problem.allowed[e.dst]:
+                by.setdefault(e.dst_in[s], ([], []))[1].append(x[e.dst, s])
+            for src_vars, dst_vars in by.values():
+                solver.Add(solver.Sum(src_vars) == solver.Sum(dst_vars))
+
     # Edges: resharding cost, linear in x when one side has a single placement, else flow form.
     for e in problem.edges:
+        if e.aligned:
+            continue
         terms, flows = _edge_cost(problem, e, x)
         for var, c in terms:
             objective.SetCoefficient(var, objective.GetCoefficient(var) + c * US)
