@@ -14,15 +14,14 @@ from autoshard import _torch, costmodel
 from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
+from autoshard.passes.coarsen import repeated_layers
 from autoshard.passes.rewrite import local_joint, split
 from autoshard.passes.strategies import META_KEY, find_strategies, placement_str
 from autoshard.passes.trace import TracedModel, trace as _trace
 from autoshard.plan import NodeDecision, Plan
 from autoshard.progress import Progress
 from autoshard.runtime import DistributedModule
-from autoshard.solver.formulation import formulate
-from autoshard.passes.coarsen import repeated_layers
-from autoshard.solver.formulation import share
+from autoshard.solver.formulation import formulate, share
 from autoshard.solver.memory import memory_model, predicted_memory, timeline
 from autoshard.solver.solve import solve
 
@@ -158,7 +157,7 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
                 "gap": solution.gap, "backend": solution.backend,
                 "variables": solution.num_variables, "constraints": solution.num_constraints},
         edges=edges, memory_limit=limit, mfu=_mfu(traced, cluster, step),
-        memory_timeline=list(getattr(solution, "timeline", [])),
+        memory_timeline=list(solution.timeline),
         breakdown={"compute": compute, "exposed_comm": comm_time, "recompute": recompute_time})
 
 

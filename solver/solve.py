@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 from ortools.linear_solver import pywraplp
@@ -92,6 +92,8 @@ class Solution:
     backend: str
     num_variables: int
     num_constraints: int
+    shared_nodes: tuple = ()       # (nodes, decision classes) when repeated layers were shared
+    timeline: list = field(default_factory=list)   # (node, predicted live bytes) over the step
 
     @property
     def gap(self) -> float:
