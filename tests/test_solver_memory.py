@@ -1,0 +1,65 @@
+"""The memory and recompute rows of the ILP against brute force.
+
+On a restricted MLP problem small enough to enumerate every strategy choice x every recompute
+subset, the plan's peak is what solver/memory.py's ``predicted_memory`` says the runtime holds
+(an evaluation written apart from the ILP rows), its time the node and edge costs plus the
+recomputed nodes' compute again. Under a cap that binds, the solver's optimum must equal the best
+enumerated combination that fits, and its choice must fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autoshard.cluster import Cluster
+from autoshard.errors import InfeasibleError
+from autoshard.solver.memory import memory_model, predicted_memory
+from autoshard.solver.solve import solve
+from test_solver import _aligned_ok, _edge_table, _mlp_traced, _objective, _problem, _restrict
+
+pytestmark = pytest.mark.filterwarnings("ignore:autoshard.*planned replicated")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_memory_and_recompute_match_brute_force(seed):
+    cluster = Cluster.local(2)
+    traced = _mlp_traced(dims=(8, 16, 16, 4), batch=8)
+    problem = _problem(traced, cluster)
+    rng = random.Random(seed)
+    _restrict(problem, rng, budget=64)
+    mm = memory_model(traced, problem, cluster, float("inf"), 2.0)
+    worth = [v for v in mm.recomputable if max(problem.cost[v]) > 0]
+    mm.recomputable = sorted(rng.sample(worth, min(4, len(worth))), key=lambda n: n.name)
+
+    free = [v for v in problem.nodes if len(problem.allowed[v]) > 1]
+    fixed = {v: problem.allowed[v][0] for v in problem.nodes if len(problem.allowed[v]) == 1}
+    tables = [_edge_table(problem, e, cluster) for e in problem.edges]
+    combos = []
+    for strategies in itertools.product(*[problem.allowed[v] for v in free]):
+        choice = {**fixed, **dict(zip(free, strategies))}
+        if not _aligned_ok(problem, choice):
+            continue
+        base = _objective(problem, cluster, choice, tables)
+        for k in range(len(mm.recomputable) + 1):
+            for subset in itertools.combinations(mm.recomputable, k):
+                time = base + sum(problem.cost[v][choice[v]] for v in subset)
+                peak = sum(predicted_memory(mm, choice, set(subset)).values())
+                combos.append((time, peak))
+    peaks = sorted(p for _, p in combos)
+    cap = peaks[len(peaks) // 4]  # a cap only a quarter of the combinations meet
+    best = min(t for t, p in combos if p <= cap)
+    assert best > min(t for t, _ in combos), "the cap must bind"
+
+    mm.limit = cap
+    sol = solve(problem, cluster, mm)
+    assert sol.status == "optimal"
+    recomputed_tiebreak = 1e-9 * len(sol.recompute)  # solve.py adds a nanosecond per recomputed node
+    assert sol.objective - recomputed_tiebreak == pytest.approx(best, rel=1e-6, abs=1e-9)
+    assert sum(predicted_memory(mm, sol.choice, sol.recompute).values()) <= cap * (1 + 1e-9)
+
+    mm.limit = peaks[0] * 0.999  # below every combination
+    with pytest.raises(InfeasibleError):
+        solve(problem, cluster, mm)
