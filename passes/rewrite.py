@@ -8,11 +8,12 @@ result is a local joint graph (``primals`` = local parameter shards and inputs, 
 whose outputs are the loss, replicated, and each gradient in its parameter's storage placement.
 torch's partitioner then splits it into forward and backward.
 
-Example::
+Example (inside a process group; ``choice``: node -> chosen Strategy)::
 
-    >>> fw, bw, n_out = rewrite(traced, choice, mesh, local_args)
-    >>> [n.target for n in bw.graph.nodes if "c10d" in str(n.target)][:1]
-    [torch.ops._c10d_functional.all_reduce.default]
+    >>> joint, n_out = local_joint(traced, choice, mesh, local_primals)
+    >>> fw, bw = split(joint, n_out, recompute=frozenset({"gelu"}))
+    >>> sorted({str(n.target) for n in bw.graph.nodes if "c10d" in str(n.target)})[:1]
+    ['_c10d_functional.all_reduce.default']
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import warnings
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Partial, Replicate
 import torch.fx.traceback as fx_traceback
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 

@@ -11,8 +11,8 @@ is what DTensor runs), plus autoshard's rules for ops torch lacks (``passes/rule
 * ops with no tensor input (factories): Replicate;
 * anything else: Replicate, reported in the result's ``fallback`` (``strict`` raises).
 
-Only even sharding is kept (every sharded dim divides by its shard count) and no strided shards,
-so local shapes, costs and numerics are exact. Facts go to ``node.meta["autoshard.strategies"]``.
+Only even sharding is kept (every sharded dim divides by its shard count), and no strided shards
+or masked partials (vocab-parallel embedding), so local shapes, costs and numerics are exact. Facts go to ``node.meta["autoshard.strategies"]``.
 
 Example::
 
@@ -122,6 +122,10 @@ def _even(placements: Placements | None, shape, mesh_shape) -> bool:
         if m == 1 and not isinstance(p, Replicate):  # a mesh dim of one device splits nothing
             return False
         if isinstance(p, _torch.StridedShard) or (isinstance(p, Shard) and type(p) is not Shard):
+            return False
+        if isinstance(p, Partial) and type(p) is not Partial:
+            # DTensor's masked partial (vocab-parallel embedding) carries per-call state that a
+            # planned, pre-redistributed input cannot hand to the op; not planned yet
             return False
 
         if isinstance(p, Shard):
