@@ -14,7 +14,7 @@ from autoshard import _torch, costmodel
 from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
-from autoshard.passes.coarsen import repeated_layers
+from autoshard.passes.coarsen import LAYER_KEY, repeated_layers
 from autoshard.passes.rewrite import local_joint, split
 from autoshard.passes.strategies import META_KEY, find_strategies, placement_str
 from autoshard.passes.trace import TracedModel, trace as _trace
@@ -136,8 +136,10 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
         compute += t
         again = n in solution.recompute
         recompute_time += t if again else 0.0
+        layer = n.meta.get(LAYER_KEY)
         nodes.append(NodeDecision(n.name, str(n.target) if n.op == "call_function" else n.op, str(s), t,
-                                  n.meta[COST_KEY].phase, comm.get(n.name, []), recompute=again))
+                                  n.meta[COST_KEY].phase, comm.get(n.name, []), recompute=again,
+                                  layer=None if layer is None else layer[1]))
     if "output" in comm:
         nodes.append(NodeDecision("output", "output", "->(R)", 0.0, "fwd", comm["output"]))
     comm_time = sum(c["time"] for cs in comm.values() for c in cs)

@@ -56,6 +56,7 @@ class NodeDecision:
     phase: str                     # input | fwd | bwd | optim
     comm: list[dict] = field(default_factory=list)   # collectives before this node: kind, mesh_dim, bytes, time
     recompute: bool = False        # forward activation recomputed in backward instead of saved
+    layer: int | None = None       # which copy of a repeated block the node is in (None: not repeated)
 
 
 @dataclass
@@ -289,6 +290,7 @@ def _check_doc(d: dict) -> None:
         _need(_is_num(n.get("compute")), where, "needs a number 'compute'")
         _need(isinstance(n.get("comm", []), list), where, "'comm' must be a list")
         _need(isinstance(n.get("recompute", False), bool), where, "'recompute' must be true or false")
+        _need(n.get("layer") is None or isinstance(n.get("layer"), int), where, "'layer' must be an int or null")
         for j, c in enumerate(n.get("comm", [])):
             _need(isinstance(c, dict) and isinstance(c.get("kind"), str) and all(
                 _is_num(c.get(k)) for k in ("mesh_dim", "bytes", "time")), f"{where}.comm[{j}]",

@@ -164,8 +164,8 @@ class Group:
 
 
 def node_groups(plan, max_rows: int | None) -> tuple[list[Group], int]:
-    """Nodes by phase (input, fwd, bwd, ...), keeping the ``max_rows`` costliest overall
-    (None: all); returns the groups and how many nodes were left out."""
+    """Nodes by phase (input, fwd, bwd, ...) and repeated layer, keeping the ``max_rows`` costliest
+    overall (None: all); returns the groups and how many nodes were left out."""
     keep = set(range(len(plan.nodes)))
     if max_rows is not None:
         order = sorted(range(len(plan.nodes)), key=lambda i: (-node_cost(plan.nodes[i]), i))
@@ -173,12 +173,16 @@ def node_groups(plan, max_rows: int | None) -> tuple[list[Group], int]:
     phases = list(PHASES) + sorted({n.phase for n in plan.nodes} - set(PHASES))
     groups = []
     for ph in phases:
-        members = [(i, n) for i, n in enumerate(plan.nodes) if n.phase == ph]
-        if not members:
-            continue
-        compute = sum(n.compute for _, n in members)
-        comm = sum(c["time"] for _, n in members for c in n.comm)
-        groups.append(Group(ph, PHASES.get(ph, ph), [n for i, n in members if i in keep], len(members), compute, comm))
+        # one group per phase and per copy of a repeated block (layer), nodes outside blocks first
+        layers = sorted({n.layer for n in plan.nodes if n.phase == ph}, key=lambda j: -1 if j is None else j)
+        for layer in layers:
+            members = [(i, n) for i, n in enumerate(plan.nodes) if n.phase == ph and n.layer == layer]
+            if not members:
+                continue
+            compute = sum(n.compute for _, n in members)
+            comm = sum(c["time"] for _, n in members for c in n.comm)
+            title = PHASES.get(ph, ph) + ("" if layer is None else f", layer {layer}")
+            groups.append(Group(ph, title, [n for i, n in members if i in keep], len(members), compute, comm))
     return groups, len(plan.nodes) - len(keep)
 
 
@@ -223,7 +227,7 @@ def summary_text(plan, max_rows: int | None = 40, width: int = 160) -> str:
     for line in header_lines(plan):
         console.print(escape(line))
     groups, hidden = node_groups(plan, max_rows)
-    table = Table(title=f"nodes by phase ({'all' if max_rows is None else f'top {max_rows} by cost'})",
+    table = Table(title=f"nodes by phase and layer ({'all' if max_rows is None else f'top {max_rows} by cost'})",
                   title_justify="left")
     for col in ["node", "op"] + [f"{n}({s}) in -> out" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape)] \
             + ["rc", "compute", "communication"]:

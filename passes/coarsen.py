@@ -9,7 +9,7 @@ read from the graph alone, never from module names.
 
 Merging is a restriction (members must choose alike), exact in cost: every edge, memory term
 and recompute keeps its own numbers (solver/formulation.py's ``share`` sums them). Facts go to
-``node.meta["autoshard.layer"]``: the class representative.
+``node.meta["autoshard.layer"]``: (class representative, index of the block copy the node is in).
 
 Example::
 
@@ -121,6 +121,12 @@ def repeated_layers(traced) -> dict[fx.Node, fx.Node]:
         if len(same) > 1:
             for m in same:
                 rep[m] = same[0]
+    # node.meta[LAYER_KEY] = (representative, which copy of the block this node is in)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    members: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for n, r in rep.items():
-        n.meta[LAYER_KEY] = r
+        members[r].append(n)
+    for r, ms in members.items():
+        for j, n in enumerate(sorted(ms, key=order.__getitem__)):
+            n.meta[LAYER_KEY] = (r, j)
     return rep
