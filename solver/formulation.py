@@ -12,6 +12,10 @@ distinct placements, not strategies, so an edge costs |Q| x |P| continuous varia
 whose producer (or consumer) has a single placement needs none (its cost is linear in x).
 Besides op inputs, two kinds of edges close the step: each forward output must end Replicate,
 and each gradient must land in its parameter's storage placement (the placeholder's choice).
+An edge from a parameter into a view of it is *aligned* (no resharding: the view takes the
+storage placement, sum_{s: in_e(s) = p} x[v,s] = sum_{s: out_e(s) = p} x[u,s]), so parameters
+are gathered at their consumers, forward and backward alike. Memory rows: solver/memory.py;
+repeated layers: :func:`share`.
 """
 
 from __future__ import annotations
