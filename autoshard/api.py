@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch, costmodel
 from autoshard.cluster import Cluster
-from autoshard.errors import ClusterError, InfeasibleError, PlanMismatchError, TraceError
+from autoshard.errors import ClusterError, ConstraintError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
 from autoshard.passes.coarsen import LAYER_KEY, repeated_layers
 from autoshard.passes.rewrite import local_joint, split
@@ -101,7 +101,11 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         solution.timeline = timeline(mm, traced.gm.graph, solution.choice, solution.recompute)
         return problem, solution, limit
     except InfeasibleError:
-        least = run(float("inf"), "memory")
+        try:
+            least = run(float("inf"), "memory")
+        except InfeasibleError:
+            raise InfeasibleError("the constraints admit no plan at any memory limit: the pinned placements "
+                                  "conflict (check the parameter patterns and 'inputs' given)") from None
         need = float(math.ceil(least.objective * (1 + 1e-9)))  # the ILP's own minimum: feasible as a limit
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
         top = max(least.memory, key=least.memory.get)
@@ -160,7 +164,7 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
                 "variables": solution.num_variables, "constraints": solution.num_constraints},
         edges=edges, memory_limit=limit, mfu=_mfu(traced, cluster, step),
         memory_timeline=list(solution.timeline),
-        breakdown={"compute": compute, "exposed_comm": comm_time, "recompute": recompute_time})
+        breakdown={"compute": compute, "comm": comm_time, "recompute": recompute_time})
 
 
 def _mfu(traced, cluster, step_time: float) -> float | None:
@@ -178,7 +182,9 @@ def _state_detail(traced, choice, cluster) -> dict[str, float]:
     mesh = cluster.mesh_shape
     local = lambda node: costmodel.local_bytes(costmodel.tensor_nbytes(_val(node, 0)), choice[node].outputs[0], mesh)  # noqa: E731
     params = sum(local(node) for _, node in traced.params)
-    return {"params": params, "grads": params, "optimizer": params * OPTIMIZER_STATE_PER_PARAM_BYTE,
+    trained = sum(local(node) for name, node in traced.params if traced.grads.get(name) is not None)
+    return {"params": params, "grads": trained, "optimizer": trained * OPTIMIZER_STATE_PER_PARAM_BYTE,
+            "buffers": sum(local(node) for _, node in traced.buffers),
             "inputs": sum(local(node) for node in traced.inputs)}
 
 
@@ -204,7 +210,7 @@ def _choice_from_plan(traced, the_plan: Plan) -> dict:
 
 def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: dict | None = None,
             plan: Plan | None = None, memory_limit: float | None = None, recompute: bool = True,
-            strict: bool = False, time_limit: float = 120.0) -> DistributedModule:
+            share_layers: bool = True, strict: bool = False, time_limit: float = 120.0) -> DistributedModule:
     """Plan (unless ``plan`` is given) and build this rank's module. Call on every rank of an
     initialized process group whose world size is ``cluster.world_size``."""
     if not dist.is_available() or not dist.is_initialized():
@@ -216,13 +222,17 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     if any(p.device.type == "meta" for p in model.parameters()):
         raise TraceError("autoshard.compile needs the model's parameter values; a model on 'meta' can be planned "
                          "(autoshard.plan) but must be materialized (e.g. to_empty + init) before compile")
+    if plan is not None and (constraints is not None or memory_limit is not None or not recompute):
+        raise ConstraintError("compile(plan=...) runs the given plan as it is; constraints, memory_limit and "
+                              "recompute only apply when planning: re-plan with them, or drop them")
     traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
     if plan is None:
         # Rank 0 plans and everyone runs its plan: ranks must never disagree on a tie.
         box = [None]
         if dist.get_rank() == 0:
             try:
-                problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit)
+                problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
+                                                  share_layers)
                 box = [_make_plan(traced, cluster, problem, solution, fallbacks, limit).to_json()]
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
                 box = [exc]
@@ -262,6 +272,10 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
             if not isinstance(p, Replicate):
                 shape[p.dim] //= m
         local_primals.append(torch.zeros(shape, dtype=val.dtype, device=device))
+    order = [node for node in traced.gm.graph.find_nodes(op="placeholder") if node not in traced.tangents]
+    if order != [n for _, n in traced.params] + [n for _, n in traced.buffers] + list(traced.inputs):
+        raise TraceError("the traced graph lists its inputs in an order autoshard does not expect "
+                         "(parameters, buffers, then inputs); this torch version is not supported")
     joint, n_out = local_joint(traced, choice, mesh, local_primals)
     fw, bw = split(joint, n_out, frozenset(n.name for n in plan.nodes if n.recompute))
     first, aliases = {}, {}  # tied weights: every name the model uses for a shared parameter

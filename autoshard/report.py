@@ -192,7 +192,7 @@ def header_lines(plan) -> list[str]:
     device = f"{cluster.device.name}, {cluster.world_size} devices" if cluster else "unknown cluster"
     b = plan.breakdown
     parts = ([f"compute {fmt_time(b.get('compute', plan.compute_time))}",
-              f"exposed comm {fmt_time(b.get('exposed_comm', b.get('comm', plan.comm_time)))}"]
+              f"comm {fmt_time(b.get('comm', plan.comm_time))} (none hidden: overlap not modelled)"]
              + ([f"recompute {fmt_time(b['recompute'])}"] if "recompute" in b else []))
     cap, cap_name = cap_of(plan)
     mem = f"peak memory {fmt_bytes(plan.peak_memory)}/device"

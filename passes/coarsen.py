@@ -32,7 +32,7 @@ from autoshard.passes.strategies import META_KEY, tensor_inputs
 LAYER_KEY = "autoshard.layer"
 
 
-def _token(node: fx.Node) -> tuple:
+def _token(node: fx.Node, signatures: dict) -> tuple:
     def shape(v):
         return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
 
@@ -41,12 +41,9 @@ def _token(node: fx.Node) -> tuple:
     # nodes (also inside lists, e.g. cat's) by shape: their names differ from layer to layer
     args = repr(_torch.tree_map_only(fx.Node, lambda a: shape(a.meta.get("val")), (node.args, node.kwargs)))
     strategies = node.meta[META_KEY].strategies
-    if id(strategies) not in _SIGNATURES:  # lists are shared between identical nodes
-        _SIGNATURES[id(strategies)] = (strategies, hash(tuple(s.text for s in strategies)))
-    return (str(node.target), outs, args, _SIGNATURES[id(strategies)][1])
-
-
-_SIGNATURES: dict[int, tuple] = {}  # id(list) -> (the list, kept alive so ids stay unique; its hash)
+    if id(strategies) not in signatures:  # lists are shared between identical nodes
+        signatures[id(strategies)] = (strategies, hash(tuple(s.text for s in strategies)))
+    return (str(node.target), outs, args, signatures[id(strategies)][1])
 
 
 def _period(tokens: list) -> tuple[int, int, int] | None:
@@ -69,8 +66,8 @@ def _period(tokens: list) -> tuple[int, int, int] | None:
     return first, -neg_p, count
 
 
-def _classes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
-    tokens = [_token(n) for n in nodes]
+def _classes(nodes: list[fx.Node], signatures: dict) -> dict[fx.Node, fx.Node]:
+    tokens = [_token(n, signatures) for n in nodes]
     found = _period(tokens)
     rep: dict[fx.Node, fx.Node] = {}
     if found is None:
@@ -92,13 +89,14 @@ def repeated_layers(traced) -> dict[fx.Node, fx.Node]:
     """member -> representative, for every decision node in a repeated block (and its parameters)."""
     gm = traced.gm
     rep: dict[fx.Node, fx.Node] = {}
+    signatures: dict[int, tuple] = {}  # id(strategy list) -> (the list, kept alive; its hash)
     for phase in ("fwd", "bwd"):
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta[META_KEY].alias_of is None
                  and n.meta[COST_KEY].phase == phase]
         # Autograd interleaves some per-layer nodes (bias gradients, concatenations) irregularly;
         # a few more rounds over what is left catch their own periods.
         for _ in range(4):
-            found = _classes([n for n in nodes if n not in rep])
+            found = _classes([n for n in nodes if n not in rep], signatures)
             if not found:
                 break
             rep.update(found)

@@ -144,7 +144,7 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
         return outs + grads
 
     n_tangents = len(traced.tangents)
-    example_tangents = [torch.ones(()) if False else torch.ones_like(_local_out_example(traced, i)) for i in range(n_tangents)]
+    example_tangents = [torch.ones_like(_local_out_example(traced, i)) for i in range(n_tangents)]
     phase = phases(gm)
     with torch.no_grad(), fx_traceback.preserve_node_meta():
         local = make_fx(joint, tracing_mode="fake")(list(local_primals), example_tangents)

@@ -269,13 +269,14 @@ def _strategies(node: fx.Node, mesh, mesh_shape, rep) -> tuple[list[Strategy], s
     # Canonical order: DTensor's rules iterate sets whose order varies between processes
     # (string hashing), and every rank must see the same problem to pick the same plan.
     strategies = sorted(seen, key=str)
-    if not strategies:  # every rule shards unevenly here: replicate is always valid
+    if not strategies:  # every rule shards unevenly here: replicate is always valid, and reported
         n_out = len(_tensor_vals(node.meta["val"]))
         strategies = [Strategy(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)), 1)]
+        reason = reason or f"{node.target}: no rule shards these shapes evenly on mesh {mesh_shape}"
     return strategies, reason
 
 
-def find_strategies(gm: fx.GraphModule, mesh, *, param_nodes=(), strict: bool = False) -> list[tuple[str, str]]:
+def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False) -> list[tuple[str, str]]:
     """Fill ``node.meta["autoshard.strategies"]``; returns the (node, reason) fallbacks."""
     from autoshard.passes import rules  # noqa: F401 - registers autoshard's own rules
 

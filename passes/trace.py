@@ -28,8 +28,6 @@ from torch import nn
 from autoshard import _torch
 from autoshard.errors import TraceError
 
-META_KEY = "autoshard.trace"  # unused per node; the TracedModel holds the pairing
-
 
 @dataclass
 class TracedModel:

@@ -144,8 +144,8 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
     shared = Problem(nodes, cost, {v: problem.allowed[v] for v in nodes})
     merged: dict[tuple, Edge] = {}
     for e in problem.edges:
-        key = (r(e.src), e.src_out, None if e.dst is None else r(e.dst), id(e.dst_in) if e.dst is None else
-               tuple(map(str, e.dst_in)), e.nbytes, e.fixed, e.kind)
+        key = (r(e.src), e.src_out, None if e.dst is None else r(e.dst),
+               None if e.dst is None else tuple(map(str, e.dst_in)), e.nbytes, e.fixed, e.kind, e.aligned)
         if key in merged:
             merged[key].weight += e.weight
         else:

@@ -1,23 +1,25 @@
 """memory: what each decision costs in per-device bytes, and which activations may be recomputed.
 
-    peak = sum_{v,s} state[v,s] x[v,s]            parameters + gradients + optimizer state
-                                                   (by storage placement), and the inputs
-         + sum_v saved_v                           activations kept for backward, where
-             saved_v >= sum_s act[v,s] x[v,s] - max_s act[v,s] (1 - keep_v)
-         + T,  T >= sum_s work[v,s] x[v,s]         the largest op's working set (for all v)
+    peak = sum_{v,s} state[v,s] x[v,s]              parameters (+ gradients and optimizer state
+                                                     when trained) by storage placement, buffers,
+                                                     inputs
+         + sum_{v,s} act[v,s] k[v,s]                 activations kept for backward
+         + T,  T >= sum_s work[v,s] x[v,s]  (all v)  the largest op's working set
          <= limit
 
-All saved activations are live together when backward starts, so their sum is the activation
-peak. ``keep_v`` (save v for backward) and ``r_v`` (recompute v in backward) obey
-Checkmate-style validity:
+where k[v,s] = x[v,s] keep_v, written in its tight (convex-hull) form: k[v,s] <= x[v,s],
+sum_s k[v,s] = keep_v. All saved activations are live together when backward starts, so their sum
+is the activation peak. ``keep_v`` (save v for backward) and ``r_v`` (recompute v in backward)
+obey Checkmate-style validity:
 
     keep_u + r_u >= 1        for every forward value u that backward reads
     keep_u + r_u >= r_v      for every forward input u of a recomputed v
     keep_u >= keep_v         when v is a view of u (a saved view holds its base's memory)
 
-Recomputing v costs its compute again: rc_v >= sum_s c[v,s] x[v,s] - max_s c[v,s] (1 - r_v).
+Recomputing v costs its compute again: sum_s c[v,s] j[v,s], j[v,s] = x[v,s] r_v in the same form.
 Views and getitems alias their input and cost no bytes of their own; parameters and inputs are
-always available. Resharding a recomputed node's inputs again is not charged (approximation).
+always available; seeded random ops (dropout) are never recomputed. Resharding a recomputed
+node's inputs again is not charged (approximation).
 """
 
 from __future__ import annotations
@@ -75,10 +77,12 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     """optimizer_factor: optimizer-state bytes per parameter byte (Adam: 2)."""
     mesh = cluster.mesh_shape
     mm = MemoryModel(limit)
-    params = {node for _, node in traced.params}
-    for node in params:
-        mm.state[node] = [b * (2.0 + optimizer_factor) for b in _local_outputs(node, mesh)]
-    for node in traced.inputs:
+    trained = {name for name, g in traced.grads.items() if g is not None}
+    for name, node in traced.params:
+        # a frozen parameter has no gradient and no optimizer state
+        factor = 2.0 + optimizer_factor if name in trained else 1.0
+        mm.state[node] = [b * factor for b in _local_outputs(node, mesh)]
+    for node in [*traced.inputs, *(node for _, node in traced.buffers)]:
         mm.state[node] = _local_outputs(node, mesh)
 
     fwd = [v for v in problem.nodes if v.op == "call_function" and v.meta[COST_KEY].phase == "fwd"]
@@ -109,8 +113,8 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
 
 
 def _is_random(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and getattr(schema, "is_nondeterministic_seeded", False)) or "rand" in str(node.target)
+    """Seeded random ops (dropout, bernoulli, ...) are never replayed: the rewrite saves them."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def saved_for_backward(mm: MemoryModel, recompute: set) -> list[fx.Node]:

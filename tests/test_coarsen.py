@@ -77,7 +77,7 @@ def test_sharing_matches_the_exact_optimum(gpt2layers, fraction):
     shared = autoshard.plan(traced, cluster, memory_limit=cap, share_layers=True)
     exact = autoshard.plan(traced, cluster, memory_limit=cap, share_layers=False)
     assert shared.stats["shared_nodes"][1] < exact.stats["shared_nodes"][1]
-    assert exact.step_time <= shared.step_time * (1 + 1e-9)
+    assert exact.step_time <= shared.step_time * (1 + 1e-4)  # both proven within solve's 1e-4 gap
     assert shared.step_time <= exact.step_time * 1.01
     assert shared.peak_memory <= (cap or cluster.memory_limit) * (1 + 1e-9)
 

@@ -44,7 +44,7 @@ def _dressed(plan: Plan) -> Plan:
     p.memory_limit = 3.5 * 2**20
     p.memory_timeline = [(n.name, 1e6 + 1000.5 * i) for i, n in enumerate(p.nodes) if n.phase in ("fwd", "bwd")]
     p.mfu = 0.123456789
-    p.breakdown = {"compute": 1e-3, "exposed_comm": 2.5e-4, "recompute": 1e-5}
+    p.breakdown = {"compute": 1e-3, "comm": 2.5e-4, "recompute": 1e-5}
     if not p.edges:
         p.edges = [(a.name, b.name) for a, b in zip(p.nodes, p.nodes[1:])]
     return p

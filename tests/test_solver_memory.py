@@ -63,3 +63,29 @@ def test_memory_and_recompute_match_brute_force(seed):
     mm.limit = peaks[0] * 0.999  # below every combination
     with pytest.raises(InfeasibleError):
         solve(problem, cluster, mm)
+
+
+def test_random_ops_are_never_recomputed():
+    import torch
+
+    import autoshard
+    from autoshard import _torch
+    from autoshard.passes.strategies import find_strategies
+    from autoshard.solver.formulation import formulate
+
+    class Dropout(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return ((self.b(torch.nn.functional.dropout(self.a(x), 0.5, training=True)) - y) ** 2).mean()
+
+    cluster = Cluster.local(2)
+    traced = autoshard.trace(Dropout(), (torch.randn(8, 8), torch.randn(8, 4)))
+    find_strategies(traced.gm, _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names))
+    problem = formulate(traced, cluster)
+    mm = memory_model(traced, problem, cluster, float("inf"), 2.0)
+    seeded = [n for n in problem.nodes if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    assert seeded, "the trace has a seeded random op"
+    assert not set(seeded) & set(mm.recomputable)
