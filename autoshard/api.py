@@ -267,11 +267,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     local_primals = [p.to_local() for p in params.values()] + list(buffers.values())
     for node, pl in zip(traced.inputs, input_pl):
         val = node.meta["val"]
-        shape = list(val.shape)
-        for p, m in zip(pl, mesh.shape):
-            if not isinstance(p, Replicate):
-                shape[p.dim] //= m
-        local_primals.append(torch.zeros(shape, dtype=val.dtype, device=device))
+        local_primals.append(torch.zeros(costmodel.local_shape(val.shape, pl, mesh.shape), dtype=val.dtype, device=device))
     order = [node for node in traced.gm.graph.find_nodes(op="placeholder") if node not in traced.tangents]
     if order != [n for _, n in traced.params] + [n for _, n in traced.buffers] + list(traced.inputs):
         raise TraceError("the traced graph lists its inputs in an order autoshard does not expect "

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoshard.passes.annotate import META_KEY as COST_KEY
+from autoshard.passes.annotate import META_KEY as COST_KEY, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -67,24 +66,6 @@ def resharding_time(cluster, src, dst, nbytes: float) -> float:
     return sum(c.time for c in resharding(cluster, src, dst, nbytes))
 
 
-_CACHE: dict = {}
-_CLUSTER = [None]
-
-
-def set_resharding_cluster(cluster) -> None:
-    """Select the cluster whose resharding times resharding_time_cached memoizes."""
-    if _CLUSTER[0] is not cluster:
-        _CLUSTER[0] = cluster
-        _CACHE.clear()
-
-
-def resharding_time_cached(src, dst, nbytes: float) -> float:
-    key = (src, dst, nbytes)
-    if key not in _CACHE:
-        _CACHE[key] = resharding_time(_CLUSTER[0], src, dst, nbytes)
-    return _CACHE[key]
-
-
 def compute_time(cluster, node, strategy) -> float:
     cost = node.meta.get(COST_KEY)
     if cost is None or (cost.flops == 0 and cost.bytes == 0):
@@ -97,5 +78,13 @@ def local_bytes(nbytes: float, placements, mesh_shape) -> float:
     return nbytes / _shard_factor(placements, mesh_shape, -1) if placements is not None else nbytes
 
 
-def tensor_nbytes(val) -> float:
-    return float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0
+def local_shape(shape, placements, mesh_shape) -> tuple[int, ...]:
+    """The shape of one rank's shard (even sharding: every sharded dim divides)."""
+    out = list(shape)
+    for p, m in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            out[p.dim] //= m
+    return tuple(out)
+
+
+tensor_nbytes = tensor_bytes  # bytes of a tensor (or of the tensors in a tuple); 0 for anything else

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.modules.module import _IncompatibleKeys
 
+from autoshard.costmodel import local_shape
 from autoshard.errors import RuntimeMismatchError
 
 
@@ -92,13 +93,6 @@ class DistributedModule(nn.Module):
                 self._aliases[alias] = primary
                 _register(self, alias, self.get_parameter(primary), "param")
 
-    def _local_shape(self, shape, placements):
-        shape = list(shape)
-        for p, m in zip(placements, self.mesh.shape):
-            if not isinstance(p, Replicate):
-                shape[p.dim] //= m
-        return tuple(shape)
-
     def shard_inputs(self, *global_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's local piece of each global input, as the plan places it (no communication)."""
         if len(global_inputs) != len(self._input_meta):
@@ -111,7 +105,7 @@ class DistributedModule(nn.Module):
         if len(local_inputs) != len(self._input_meta):
             raise RuntimeMismatchError(f"the compiled module takes {len(self._input_meta)} inputs, got {len(local_inputs)}")
         for i, (t, (shape, dtype), pl) in enumerate(zip(local_inputs, self._input_meta, self._input_placements)):
-            want = self._local_shape(shape, pl)
+            want = local_shape(shape, pl, self.mesh.shape)
             if tuple(t.shape) != want or t.dtype != dtype:
                 raise RuntimeMismatchError(
                     f"input {i}: expected the local shard of shape {list(want)} and dtype {dtype} on each rank "

@@ -34,6 +34,18 @@ class GPTConfig:
         return cls(vocab=50304, seq=1024, hidden=768, heads=12, layers=12)
 
 
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a language model's logits."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _token_batch(config, batch: int, device, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (token ids, targets) of shape (batch, config.seq) for a language model."""
+    def ids():
+        return torch.randint(0, config.vocab, (batch, config.seq), device=device, generator=generator)
+    return ids(), ids()
+
+
 def _gpt2_init(module: nn.Module) -> None:
     """GPT-2's initialization (N(0, 0.02) weights, zero biases); with torch's defaults the tied
     N(0, 1) embedding would make a first loss near 40 instead of ln(vocab)."""
@@ -80,13 +92,10 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return _lm_loss(self.head(self.ln_f(x)), targets)
 
     def example_inputs(self, batch: int, device="cpu", generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        idx = torch.randint(0, c.vocab, (batch, c.seq), device=device, generator=generator)
-        return idx, torch.randint(0, c.vocab, (batch, c.seq), device=device, generator=generator)
+        return _token_batch(self.config, batch, device, generator)
 
 
 class MLP(nn.Module):
@@ -235,10 +244,7 @@ class Llama(nn.Module):
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return _lm_loss(self.head(self.norm(x)), targets)
 
     def example_inputs(self, batch: int, device="cpu", generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        idx = torch.randint(0, c.vocab, (batch, c.seq), device=device, generator=generator)
-        return idx, torch.randint(0, c.vocab, (batch, c.seq), device=device, generator=generator)
+        return _token_batch(self.config, batch, device, generator)

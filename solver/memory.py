@@ -60,7 +60,7 @@ class MemoryModel:
 def _outputs_bytes(node: fx.Node) -> list[float]:
     val = node.meta["val"]
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    return [costmodel.tensor_nbytes(v) if isinstance(v, torch.Tensor) else 0.0 for v in vals]
+    return [costmodel.tensor_nbytes(v) for v in vals]
 
 
 def _local_outputs(node: fx.Node, mesh_shape) -> list[float]:

@@ -7,6 +7,7 @@ thread and a fixed seed make the same problem give the same answer.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -100,7 +101,7 @@ class Solution:
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
 
 
-def _edge_cost(problem: Problem, e, x) -> tuple[list, list]:
+def _edge_cost(problem: Problem, e, x, reshard) -> tuple[list, list]:
     """Objective terms of one edge, plus the flow rows' variables to add (flow form)."""
     src = {}
     for s in problem.allowed[e.src]:
@@ -111,7 +112,7 @@ def _edge_cost(problem: Problem, e, x) -> tuple[list, list]:
         dst = {}
         for s in problem.allowed[e.dst]:
             dst.setdefault(e.dst_in[s], []).append(s)
-    r = {(q, p): e.weight * costmodel.resharding_time_cached(q, p, e.nbytes) for q in src for p in dst}
+    r = {(q, p): e.weight * reshard(q, p, e.nbytes) for q in src for p in dst}
     if e.dst is e.src:  # a block's output feeding the same class in the next block: one choice
         return [(x[e.src, s], r[problem.src_placement(e, s), e.dst_in[s]]) for s in problem.allowed[e.src]], []
     if len(dst) == 1:
@@ -128,7 +129,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     """``minimize="memory"`` finds the smallest feasible peak instead (for infeasibility reports).
     The solve stops once the plan is proven within ``mip_gap`` (relative) of the optimum."""
     start = time.perf_counter()
-    costmodel.set_resharding_cluster(cluster)
+    reshard = functools.cache(functools.partial(costmodel.resharding_time, cluster))  # repeats across edges
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise SolverError(f"OR-Tools backend {backend!r} is not available in this build")
@@ -165,7 +166,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     for e in problem.edges:
         if e.aligned:
             continue
-        terms, flows = _edge_cost(problem, e, x)
+        terms, flows = _edge_cost(problem, e, x, reshard)
         for var, c in terms:
             objective.SetCoefficient(var, objective.GetCoefficient(var) + c * US)
         for src, dst, r in flows:
