@@ -49,15 +49,19 @@ def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool):
 
 
 def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | None = None,
-         memory_limit: float | None = None, recompute: bool = True, share_layers: bool = True,
-         strict: bool = False, time_limit: float = 120.0, progress: bool | None = None) -> Plan:
+         memory_limit: float | None = None, recompute: bool | str = True, share_layers: bool = True,
+         strict: bool = False, time_limit: float = 120.0, progress: bool | None = None,
+         allow=None) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
     ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
-    predicted peak; ``recompute=False`` forbids recomputing activations; ``share_layers=False``
+    predicted peak; ``recompute=False`` forbids recomputing activations, ``recompute="full"``
+    recomputes every activation it can (full activation checkpointing); ``share_layers=False``
     gives every repeated layer its own decisions (the exact, larger problem); ``progress`` shows
-    each stage on stderr (default: when stderr is a terminal). Raises
+    each stage on stderr (default: when stderr is a terminal). ``allow(node, strategy) -> bool``
+    limits the strategies the solver may pick (how :mod:`autoshard.baselines` pins hand-written
+    strategies on the same problem). Raises
     :class:`~autoshard.errors.InfeasibleError` with ``min_memory`` when no plan fits."""
     t0 = time.perf_counter()
     progress = Progress(progress)
@@ -66,7 +70,7 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     t1 = time.perf_counter()
     with progress.stage("formulating and solving"):
         problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
-                                          share_layers)
+                                          share_layers, allow)
     t2 = time.perf_counter()
     result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
     result.stats = {"trace_s": traced.trace_time if model is not traced else 0.0,
@@ -77,12 +81,15 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     return result
 
 
-def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True):
-    problem = formulate(traced, cluster, constraints)
+def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True, allow=None):
+    if recompute not in (True, False, "full"):
+        raise ConstraintError(f"recompute must be True, False or 'full', not {recompute!r}")
+    problem = formulate(traced, cluster, constraints, allow)
     limit = float(cluster.memory_limit if memory_limit is None else memory_limit)
     mm = memory_model(traced, problem, cluster, limit, OPTIMIZER_STATE_PER_PARAM_BYTE)
     if not recompute:
         mm.recomputable = []
+    mm.recompute_all = recompute == "full"
     rep = {n: r for n, r in repeated_layers(traced).items()
            if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
     small, small_mm, expand = share(problem, mm, rep)

@@ -74,7 +74,9 @@ def _restrict(node: fx.Node, placements, what: str) -> list[int]:
     return ok
 
 
-def formulate(traced, cluster, constraints: dict | None = None) -> Problem:
+def formulate(traced, cluster, constraints: dict | None = None, allow=None) -> Problem:
+    """``allow(node, strategy) -> bool`` (optional) limits the strategies the solver may pick;
+    hand-written strategies (autoshard.baselines) are such limits on this same problem."""
     gm = traced.gm
     nodes = [n for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].alias_of is None]
     cost = {n: [costmodel.compute_time(cluster, n, s) for s in n.meta[META_KEY].strategies] for n in nodes}
@@ -103,6 +105,12 @@ def formulate(traced, cluster, constraints: dict | None = None) -> Problem:
         for name, node in matched:
             allowed[node] = _restrict(node, pl, f"parameter {name}")
 
+    if allow is not None:
+        for n in nodes:
+            strategies = n.meta[META_KEY].strategies
+            allowed[n] = [s for s in allowed[n] if allow(n, strategies[s])]
+            if not allowed[n]:
+                raise ConstraintError(f"no strategy of {n.name} ({n.target}) satisfies the given limits")
     problem = Problem(nodes, cost, allowed)
     params = {node for _, node in traced.params}
     for v in nodes:
@@ -155,7 +163,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
 
     from autoshard.solver.memory import MemoryModel
 
-    m = MemoryModel(mm.limit)
+    m = MemoryModel(mm.limit, recompute_all=mm.recompute_all)
     for table, out in ((mm.state, m.state), (mm.act, m.act)):
         for v, vals in table.items():
             out[r(v)] = [a + b for a, b in zip(out.get(r(v), [0.0] * len(vals)), vals)]

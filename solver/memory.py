@@ -44,6 +44,7 @@ class MemoryModel:
     recomputable: list[fx.Node] = field(default_factory=list)
     inputs_of: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     base_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    recompute_all: bool = False     # every recomputable node recomputed (full activation checkpointing)
 
     @property
     def candidates(self) -> list[fx.Node]:

@@ -33,7 +33,7 @@ class _MemoryRows:
 def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x) -> _MemoryRows:
     """The memory block of DESIGN.md's ILP (formulas in solver/memory.py)."""
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
-    r = {v: solver.BoolVar("") for v in mm.recomputable}
+    r = {v: solver.NumVar(1, 1, "") if mm.recompute_all else solver.BoolVar("") for v in mm.recomputable}
     keep = {v: solver.BoolVar("") for v in mm.candidates}
     avail = lambda u: keep[u] + r[u] if u in r else keep[u]  # noqa: E731
 
