@@ -8,5 +8,6 @@ from autoshard import errors
 from autoshard.api import compile, plan, trace
 from autoshard.cluster import Cluster, DeviceSpec, LinkSpec
 from autoshard.plan import Plan
+from autoshard.precision import MixedPrecision
 
-__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "Plan", "compile", "plan", "trace", "errors"]
+__all__ = ["Cluster", "DeviceSpec", "LinkSpec", "MixedPrecision", "Plan", "compile", "plan", "trace", "errors"]

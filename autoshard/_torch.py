@@ -98,3 +98,8 @@ def joint_export(model: torch.nn.Module, args: tuple[Any, ...]):
     export's contexts alive while the caller reads the graph)."""
     with contextlib.ExitStack() as stack:
         yield aot_export_joint_with_descriptors(stack, model, args)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place update counter autograd keeps on every tensor (bumped by ``add_``, ``copy_``)."""
+    return t._version

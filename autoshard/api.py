@@ -16,33 +16,52 @@ from autoshard.errors import ClusterError, ConstraintError, InfeasibleError, Pla
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
 from autoshard.passes.coarsen import LAYER_KEY, repeated_layers
 from autoshard.passes.rewrite import local_joint, split
-from autoshard.passes.strategies import META_KEY, find_strategies, placement_str
+from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
 from autoshard.passes.trace import TracedModel, trace as _trace
-from autoshard.plan import NodeDecision, Plan
+from autoshard.plan import NodeDecision, Plan, parse_placements
+from autoshard.precision import MixedPrecision, cast_module, policy_fingerprint
 from autoshard.progress import Progress
 from autoshard.runtime import DistributedModule
-from autoshard.solver.formulation import formulate, share
+from autoshard.solver.formulation import Storage, formulate, pool_blocks, share
 from autoshard.solver.memory import memory_model, predicted_memory, timeline
 from autoshard.solver.solve import solve
 
 OPTIMIZER_STATE_PER_PARAM_BYTE = 2.0  # Adam/AdamW: two moments in the parameter's dtype
 
 
-def trace(model: nn.Module, example_inputs) -> TracedModel:
-    """Trace once (joint fwd+bwd graph on fake tensors), then plan for many clusters."""
+def trace(model: nn.Module, example_inputs, *, mixed_precision: MixedPrecision | None = None) -> TracedModel:
+    """Trace once (joint fwd+bwd graph on fake tensors), then plan for many clusters.
+    ``mixed_precision`` puts the policy's casts into the traced program (autoshard/precision.py)."""
     start = time.perf_counter()
-    traced = _trace(model, tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,))
+    traced = _trace(cast_module(model, mixed_precision),
+                    tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,))
     annotate(traced.gm)
+    traced.mixed_precision = mixed_precision
+    if mixed_precision is not None:  # the reduce dtype is not in the graph: a plan for one policy runs no other
+        traced.fingerprint = policy_fingerprint(traced.fingerprint, mixed_precision)
     traced.trace_time = time.perf_counter() - start
     return traced
+
+
+def _accumulation(k) -> dict:
+    """``_solve``'s keyword for K micro-batches per step (none for the default, K = 1)."""
+    if not (isinstance(k, int) and k >= 1):
+        raise ConstraintError(f"grad_accumulation must be a positive int, not {k!r}")
+    return {} if k == 1 else {"grad_accumulation": k}
 
 
 def _pl(p) -> str:
     return "(" + ",".join(placement_str(x) for x in p) + ")"
 
 
-def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool):
-    traced = model_or_traced if isinstance(model_or_traced, TracedModel) else trace(model_or_traced, example_inputs)
+def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mixed_precision=None):
+    if isinstance(model_or_traced, TracedModel):
+        traced = model_or_traced
+        if mixed_precision is not None and getattr(traced, "mixed_precision", None) != mixed_precision:
+            raise ConstraintError("this model was traced without the given mixed_precision policy (or with "
+                                  "another); pass mixed_precision to autoshard.trace instead")
+    else:
+        traced = trace(model_or_traced, example_inputs, mixed_precision=mixed_precision)
     mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
     fallbacks = find_strategies(traced.gm, mesh, strict=strict)
     return traced, fallbacks
@@ -51,9 +70,15 @@ def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool):
 def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | None = None,
          memory_limit: float | None = None, recompute: bool | str = True, share_layers: bool = True,
          strict: bool = False, time_limit: float = 120.0, progress: bool | None = None,
-         allow=None) -> Plan:
+         allow=None, mixed_precision: MixedPrecision | None = None, grad_accumulation: int = 1,
+         meshes=None) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
+
+    ``meshes="auto"`` also plans on the logical meshes of :func:`autoshard.meshes.candidates`
+    (other grids over the same devices, priced by the links each dim spans) and keeps the fastest;
+    a list of shapes tries those; ``plan.mesh_shape`` records the one chosen. Default: the
+    cluster's own mesh only.
 
     ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
     predicted peak; ``recompute=False`` forbids recomputing activations, ``recompute="full"``
@@ -61,16 +86,27 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     gives every repeated layer its own decisions (the exact, larger problem); ``progress`` shows
     each stage on stderr (default: when stderr is a terminal). ``allow(node, strategy) -> bool``
     limits the strategies the solver may pick (how :mod:`autoshard.baselines` pins hand-written
-    strategies on the same problem). Raises
+    strategies on the same problem). ``mixed_precision`` (a :class:`MixedPrecision`) plans the
+    program with its casts; ``grad_accumulation=K`` plans for K micro-batches per optimizer step
+    (``example_inputs`` are one micro-batch), the gradient reduction charged once per K. Raises
     :class:`~autoshard.errors.InfeasibleError` with ``min_memory`` when no plan fits."""
+    if meshes is not None:
+        from autoshard import meshes as logical
+
+        traced = model if isinstance(model, TracedModel) else trace(model, example_inputs,
+                                                                    mixed_precision=mixed_precision)
+        return logical.plan_over(plan, traced, cluster, meshes, constraints=constraints, memory_limit=memory_limit,
+                                 recompute=recompute, share_layers=share_layers, strict=strict,
+                                 time_limit=time_limit, progress=progress, allow=allow,
+                                 mixed_precision=mixed_precision, grad_accumulation=grad_accumulation)
     t0 = time.perf_counter()
     progress = Progress(progress)
     with progress.stage("tracing and strategies"):
-        traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
+        traced, fallbacks = _prepare(model, cluster, example_inputs, strict, mixed_precision)
     t1 = time.perf_counter()
     with progress.stage("formulating and solving"):
         problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
-                                          share_layers, allow)
+                                          share_layers, allow, **_accumulation(grad_accumulation))
     t2 = time.perf_counter()
     result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
     result.stats = {"trace_s": traced.trace_time if model is not traced else 0.0,
@@ -81,17 +117,20 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     return result
 
 
-def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True, allow=None):
+def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True, allow=None,
+           grad_accumulation: int = 1):
     if recompute not in (True, False, "full"):
         raise ConstraintError(f"recompute must be True, False or 'full', not {recompute!r}")
-    problem = formulate(traced, cluster, constraints, allow)
+    layers = repeated_layers(traced)  # also marks each node's block copy (the overlap rows' blocks)
+    problem = formulate(traced, cluster, constraints, allow, micro_batches=grad_accumulation)
     limit = float(cluster.memory_limit if memory_limit is None else memory_limit)
     mm = memory_model(traced, problem, cluster, limit, OPTIMIZER_STATE_PER_PARAM_BYTE)
     if not recompute:
         mm.recomputable = []
     mm.recompute_all = recompute == "full"
-    rep = {n: r for n, r in repeated_layers(traced).items()
+    rep = {n: r for n, r in layers.items()
            if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
+    pool_blocks(problem, rep)
     small, small_mm, expand = share(problem, mm, rep)
     shared_nodes = (len(problem.nodes), len(small.nodes))
 
@@ -132,17 +171,35 @@ def _gib(nbytes: float) -> str:
 def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Plan:
     choice = {n: n.meta[META_KEY].strategies[s] for n, s in solution.choice.items()}
     comm: dict[str, list[dict]] = {}
-    edges = []
+    edges, hideable = [], {}
     for e in problem.edges:
         src = choice[e.src].outputs[e.src_out]
         dst = e.fixed if e.dst is None else e.dst_in[solution.choice[e.dst]]
         where = "output" if e.dst is None else e.dst.name
-        edges.append((e.src.name, where))
+        if e.kind != "gather":  # graph edges; a storage -> working gather shows at its parameter
+            edges.append((e.src.name, where))
+        calls = 1 if e.kind in ("grad", "gather") else problem.micro_batches  # per optimizer step
         for c in costmodel.resharding(cluster, src, dst, e.nbytes):
-            comm.setdefault(where, []).append({"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes,
-                                               "time": c.time, "src": e.src.name})
+            entry = {"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time * calls,
+                     "src": e.src.name, "exposed": c.time * calls, "calls": calls, "role": e.kind}
+            comm.setdefault(where, []).append(entry)
+            if e.overlap and problem.overlap > 0:
+                hideable.setdefault(e.block, []).append(entry)
+    # the exposed part of each block's parameter and gradient moves (formulation.py: Overlap),
+    # spread over its collectives in proportion to their time
+    block_compute: dict[object, float] = {}
+    for n in problem.nodes:
+        block_compute[problem.block.get(n)] = block_compute.get(problem.block.get(n), 0.0) + \
+            problem.cost[n][solution.choice[n]]
+    for b, entries in hideable.items():
+        total = sum(c["time"] for c in entries)
+        left = max(0.0, total - problem.overlap * block_compute.get(b, 0.0))
+        for c in entries:
+            c["exposed"] = c["time"] * (left / total if total > 0 else 0.0)
     nodes, compute, recompute_time = [], 0.0, 0.0
     for n, s in choice.items():
+        if isinstance(n, Storage):  # recorded in Plan.storage; its collectives show at the parameter
+            continue
         t = problem.cost[n][solution.choice[n]]
         compute += t
         again = n in solution.recompute
@@ -154,45 +211,63 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
     if "output" in comm:
         nodes.append(NodeDecision("output", "output", "->(R)", 0.0, "fwd", comm["output"]))
     comm_time = sum(c["time"] for cs in comm.values() for c in cs)
+    exposed = sum(c["exposed"] for cs in comm.values() for c in cs)
     # itemized so the parts add up to the peak: the ILP's "state" is params+grads+optimizer+inputs
-    memory = {**_state_detail(traced, choice, cluster), "activations": solution.memory["activations"],
+    memory = {**_state_detail(traced, choice, cluster, problem.storage, problem.micro_batches),
+              "activations": solution.memory["activations"],
               "transient": solution.memory["transient"]}
     peak = sum(memory.values())
-    step = compute + comm_time + recompute_time
+    step = compute + exposed + recompute_time
     return Plan(
         fingerprint=traced.fingerprint, cluster=cluster.to_json(), mesh_shape=tuple(cluster.mesh_shape),
         mesh_dim_names=tuple(cluster.mesh_dim_names), nodes=nodes,
-        storage={name: _pl(choice[node].outputs[0]) for name, node in traced.params},
+        storage={name: _pl(choice[problem.storage[node]].outputs[0]) for name, node in traced.params},
         inputs=[_pl(choice[node].outputs[0]) for node in traced.inputs],
         step_time=step, compute_time=compute, comm_time=comm_time,
         peak_memory=peak, memory=memory, fallbacks=[tuple(f) for f in fallbacks],
         solver={"status": solution.status, "objective": solution.objective, "bound": solution.bound,
                 "gap": solution.gap, "backend": solution.backend,
                 "variables": solution.num_variables, "constraints": solution.num_constraints},
-        edges=edges, memory_limit=limit, mfu=_mfu(traced, cluster, step),
+        edges=edges, memory_limit=limit, mfu=_mfu(traced, cluster, step / problem.micro_batches),
         memory_timeline=list(solution.timeline),
-        breakdown={"compute": compute, "comm": comm_time, "recompute": recompute_time})
+        breakdown={"compute": compute, "comm": comm_time, "exposed_comm": exposed, "recompute": recompute_time},
+        grad_accumulation=problem.micro_batches)
 
 
 def _mfu(traced, cluster, step_time: float) -> float | None:
     """Model FLOPs (forward + backward ops of the joint graph, each once) over what the devices
-    could do in the predicted step at their peak for the model's dtype."""
-    flops = sum(n.meta[COST_KEY].flops for n in traced.gm.graph.nodes if COST_KEY in n.meta)
-    dtype = traced.gm.graph.find_nodes(op="placeholder")[0].meta["val"].dtype if traced.params else torch.float32
+    could do in the predicted step at their peak for the dtype the FLOPs run in (under a
+    mixed-precision policy the matmuls' bf16, not the fp32 parameters')."""
+    costs = [n.meta[COST_KEY] for n in traced.gm.graph.nodes if COST_KEY in n.meta]
+    flops = sum(c.flops for c in costs)
+    by_dtype: dict = {}
+    for c in costs:
+        by_dtype[c.dtype] = by_dtype.get(c.dtype, 0.0) + c.flops
+    dtype = max(by_dtype, key=by_dtype.get) if flops > 0 else torch.float32
     if step_time <= 0:
         return None
     return flops / (step_time * cluster.peak_flops(dtype) * cluster.world_size)
 
 
-def _state_detail(traced, choice, cluster) -> dict[str, float]:
+def _state_detail(traced, choice, cluster, storage: dict, micro_batches: int = 1) -> dict[str, float]:
     """Per-device bytes of the persistent state, itemized (the ILP's "state" is their sum)."""
     mesh = cluster.mesh_shape
-    local = lambda node: costmodel.local_bytes(costmodel.tensor_nbytes(_val(node, 0)), choice[node].outputs[0], mesh)  # noqa: E731
-    params = sum(local(node) for _, node in traced.params)
-    trained = sum(local(node) for name, node in traced.params if traced.grads.get(name) is not None)
-    return {"params": params, "grads": trained, "optimizer": trained * OPTIMIZER_STATE_PER_PARAM_BYTE,
-            "buffers": sum(local(node) for _, node in traced.buffers),
-            "inputs": sum(local(node) for node in traced.inputs)}
+    local = lambda node, at=None: costmodel.local_bytes(  # noqa: E731
+        costmodel.tensor_nbytes(_val(node, 0)), choice[at or node].outputs[0], mesh)
+    params = sum(local(node, storage[node]) for _, node in traced.params)
+    trained = sum(local(node, storage[node]) for name, node in traced.params if traced.grads.get(name) is not None)
+    detail = {"params": params,
+              # gathered once per step and kept (working placement != storage: formulation.py)
+              "working_params": sum(local(node) for _, node in traced.params
+                                    if choice[node].outputs[0] != choice[storage[node]].outputs[0]),
+              "grads": trained, "optimizer": trained * OPTIMIZER_STATE_PER_PARAM_BYTE,
+              "buffers": sum(local(node) for _, node in traced.buffers),
+              "inputs": sum(local(node) for node in traced.inputs)}
+    if micro_batches > 1:  # gradients accumulated unreduced, where backward makes them (solver/memory.py)
+        detail["grad_accumulation"] = sum(
+            costmodel.local_bytes(costmodel.tensor_nbytes(_val(u, k)), choice[u].outputs[k], mesh)
+            for u, k in (value_of(g) for g in traced.grads.values() if g is not None))
+    return detail
 
 
 def _val(node, k):
@@ -217,9 +292,17 @@ def _choice_from_plan(traced, the_plan: Plan) -> dict:
 
 def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: dict | None = None,
             plan: Plan | None = None, memory_limit: float | None = None, recompute: bool = True,
-            share_layers: bool = True, strict: bool = False, time_limit: float = 120.0) -> DistributedModule:
+            share_layers: bool = True, strict: bool = False, time_limit: float = 120.0,
+            mixed_precision: MixedPrecision | None = None, grad_accumulation: int | None = None,
+            allow=None) -> DistributedModule:
     """Plan (unless ``plan`` is given) and build this rank's module. Call on every rank of an
-    initialized process group whose world size is ``cluster.world_size``."""
+    initialized process group whose world size is ``cluster.world_size``.
+
+    ``mixed_precision``: parameters stay in their dtype (fp32 master weights, what the optimizer
+    steps), cast to ``param_dtype`` once per use in the program; gradient reductions run in
+    ``reduce_dtype``. ``grad_accumulation=K`` (default: the given plan's, else 1): plan for K
+    micro-batches per step, and move the gradients to storage only on every K-th backward (the
+    others accumulate them unreduced; ``module.no_sync()`` does the same explicitly)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterError("autoshard.compile needs an initialized process group (torch.distributed."
                            "init_process_group, or launch with torchrun); use autoshard.plan to plan without one")
@@ -229,17 +312,24 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     if any(p.device.type == "meta" for p in model.parameters()):
         raise TraceError("autoshard.compile needs the model's parameter values; a model on 'meta' can be planned "
                          "(autoshard.plan) but must be materialized (e.g. to_empty + init) before compile")
-    if plan is not None and (constraints is not None or memory_limit is not None or not recompute):
-        raise ConstraintError("compile(plan=...) runs the given plan as it is; constraints, memory_limit and "
-                              "recompute only apply when planning: re-plan with them, or drop them")
-    traced, fallbacks = _prepare(model, cluster, example_inputs, strict)
+    if plan is not None and (constraints is not None or memory_limit is not None or recompute is not True
+                             or allow is not None):
+        raise ConstraintError("compile(plan=...) runs the given plan as it is; constraints, memory_limit, "
+                              "recompute and allow only apply when planning: re-plan with them, or drop them")
+    if plan is not None and tuple(plan.mesh_shape) != tuple(cluster.mesh_shape) \
+            and math.prod(plan.mesh_shape) == cluster.world_size:
+        # a plan made on a logical mesh (autoshard.meshes) runs on that grid of the same devices
+        cluster = cluster.with_mesh(tuple(plan.mesh_shape), tuple(plan.mesh_dim_names))
+    if grad_accumulation is None:
+        grad_accumulation = getattr(plan, "grad_accumulation", 1) if plan is not None else 1
+    traced, fallbacks = _prepare(model, cluster, example_inputs, strict, mixed_precision)
     if plan is None:
         # Rank 0 plans and everyone runs its plan: ranks must never disagree on a tie.
         box = [None]
         if dist.get_rank() == 0:
             try:
                 problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
-                                                  share_layers)
+                                                  share_layers, allow, **_accumulation(grad_accumulation))
                 box = [_make_plan(traced, cluster, problem, solution, fallbacks, limit).to_json()]
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
                 box = [exc]
@@ -268,10 +358,16 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
 
     named = dict(model.named_parameters())
     named_buffers = dict(model.named_buffers())
-    params = {name: distribute(named[name], choice[node].outputs[0]) for name, node in traced.params}
+    # parameters live in their storage placement; the plan's working placement (what the graph
+    # computes with) differs where it gathers once per step and keeps the copy
+    stored = {name: tuple(parse_placements(plan.storage[name], mesh.ndim)) for name, _ in traced.params}
+    working = {name: choice[node].outputs[0] for name, node in traced.params
+               if tuple(choice[node].outputs[0]) != stored[name]}
+    params = {name: distribute(named[name], stored[name]) for name, _ in traced.params}
     buffers = {name: distribute(named_buffers[name], rep).to_local() for name, _ in traced.buffers}
     input_pl = [choice[node].outputs[0] for node in traced.inputs]
-    local_primals = [p.to_local() for p in params.values()] + list(buffers.values())
+    local_primals = [(p.redistribute(mesh, working[name]) if name in working else p).to_local()
+                     for name, p in params.items()] + list(buffers.values())
     for node, pl in zip(traced.inputs, input_pl):
         val = node.meta["val"]
         local_primals.append(torch.zeros(costmodel.local_shape(val.shape, pl, mesh.shape), dtype=val.dtype, device=device))
@@ -279,11 +375,14 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     if order != [n for _, n in traced.params] + [n for _, n in traced.buffers] + list(traced.inputs):
         raise TraceError("the traced graph lists its inputs in an order autoshard does not expect "
                          "(parameters, buffers, then inputs); this torch version is not supported")
-    joint, n_out = local_joint(traced, choice, mesh, local_primals)
+    reduce_dtype = None if mixed_precision is None else mixed_precision.reduce_dtype
+    joint, n_out, grad_pl = local_joint(traced, choice, mesh, local_primals, reduce_dtype)
     fw, bw = split(joint, n_out, frozenset(n.name for n in plan.nodes if n.recompute))
     first, aliases = {}, {}  # tied weights: every name the model uses for a shared parameter
     for name, p in model.named_parameters(remove_duplicate=False):
         if first.setdefault(id(p), name) != name:
             aliases[name] = first[id(p)]
     return DistributedModule(plan, mesh, fw, bw, n_out, params, buffers, input_pl, traced.input_meta,
-                             aliases=aliases)
+                             aliases=aliases, grad_placements=grad_pl, reduce_dtype=reduce_dtype,
+                             grad_accumulation=grad_accumulation, mixed_precision=mixed_precision,
+                             working=working)

@@ -353,10 +353,13 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
     links = [spare if l is None else l for l in links]
 
     base = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    # gloo on CPU processes: the emitted module waits on each collective where the graph needs
+    # it, so nothing hides behind compute (NCCL streams keep the DeviceSpec default)
+    overlap = {"comm_overlap": 0.0} if device.type == "cpu" else {}
     spec = DeviceSpec(f"calibrated {device.type}: {base}",
                       {k: max(rates.values()) for k, rates in matmul.items()},
                       memory_bandwidth=max(memory.values()), memory=capacity,
-                      compute_efficiency=1.0, memory_efficiency=1.0, launch_overhead=launch)
+                      compute_efficiency=1.0, memory_efficiency=1.0, launch_overhead=launch, **overlap)
     calibration = {
         "backend": dist.get_backend(group), "device_type": device.type, "world_size": world,
         "ranks_per_node": ranks_per_node, "torch": torch.__version__,

@@ -34,6 +34,7 @@ _RANGES = {
     "positive": (lambda v: 0 < v < math.inf, "a positive finite number"),
     "nonnegative": (lambda v: 0 <= v < math.inf, ">= 0"),
     "fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
 }
 
 
@@ -68,6 +69,9 @@ class DeviceSpec:
     memory_efficiency: streaming kernels reach ~80% of HBM bandwidth.
     usable_fraction: the CUDA context, allocator fragmentation and library workspaces take the rest.
     launch_overhead: the floor of any kernel, however small (launch + sync), in seconds.
+    comm_overlap: the fraction of a block's compute time behind which its parameter gathers and
+    gradient reductions can hide (1: GPUs run NCCL on their own streams and the runtime prefetches;
+    0: every collective waits in line, as gloo on CPU processes does).
     """
 
     name: str
@@ -78,6 +82,7 @@ class DeviceSpec:
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     launch_overhead: float = 5e-6
+    comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         who = f"DeviceSpec {self.name!r}"
@@ -88,7 +93,8 @@ class DeviceSpec:
         object.__setattr__(self, "peak_flops", {
             k: _check(who, f"peak_flops[{k!r}]", v, "positive") for k, v in self.peak_flops.items()})
         _validate(self, memory_bandwidth="positive", memory="positive", usable_fraction="fraction",
-                  compute_efficiency="fraction", memory_efficiency="fraction", launch_overhead="nonnegative")
+                  compute_efficiency="fraction", memory_efficiency="fraction", launch_overhead="nonnegative",
+                  comm_overlap="share")
 
     def flops(self, dtype: torch.dtype | str) -> float:
         """Peak FLOP/s for ``dtype``. float32 uses the "float32" entry, not "tf32": TF32 is opt-in
@@ -162,7 +168,7 @@ def cpu_device(procs_per_node: int = 2) -> DeviceSpec:
     ~10 GB/s of DRAM bandwidth per process; host memory split evenly between the processes;
     ~10 us per eager op dispatch."""
     return DeviceSpec("cpu", {"float32": 50e9, "float64": 25e9}, memory_bandwidth=10e9,
-                      memory=24 * GiB / procs_per_node, launch_overhead=10e-6)
+                      memory=24 * GiB / procs_per_node, launch_overhead=10e-6, comm_overlap=0.0)
 
 
 # gloo over loopback TCP: ~50 us per message round, ~1-2 GB/s. The rate is already an achieved
@@ -340,6 +346,8 @@ class Cluster:
         if (saved.calibration or {}).get("device_type") == "cpu":
             # A CPU calibration measured host memory split over its ranks; split it over these.
             device = replace(device, memory=device.memory * saved.ranks_per_node / world_size)
+        # local processes talk over gloo, and the emitted module waits on each collective in turn
+        device = replace(device, comm_overlap=0.0)
         return cls(shape, mesh.mesh_dim_names, device, mesh.links, ranks_per_node=world_size)
 
     @classmethod

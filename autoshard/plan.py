@@ -30,7 +30,9 @@ _PLACEMENT = re.compile(r"^(R|S\((\d+)\)|P)$")
 
 def parse_placements(value, ndim: int) -> tuple:
     """Placements per mesh dim from DTensor placements or strings ("R", "S(0)", "P"); a single
-    placement on a 1-D mesh may be given bare."""
+    placement on a 1-D mesh may be given bare, and the plan's own "(S(0),R)" form is read back."""
+    if isinstance(value, str) and value.startswith("(") and value.endswith(")"):
+        value = value[1:-1].split(",")
     if not isinstance(value, (list, tuple)):
         value = [value]
     if len(value) != ndim:
@@ -82,6 +84,7 @@ class Plan:
     memory_timeline: list[tuple[str, float]] = field(default_factory=list)
     mfu: float | None = None                                   # model FLOPs / (step time * peak), 0..1
     breakdown: dict = field(default_factory=dict)              # seconds: compute, exposed comm, recompute
+    grad_accumulation: int = 1     # micro-batches per optimizer step the plan was priced for
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:

@@ -4,7 +4,14 @@ Parameters are DTensors in their storage placement, registered under the origina
 names (``state_dict()`` works with torch.distributed.checkpoint). ``forward`` takes this rank's
 local inputs (``shard_inputs`` cuts them from the global batch) and returns the outputs in full,
 identical on every rank; ``backward`` fills each parameter's ``.grad`` (a DTensor in the
-parameter's storage placement), so any torch optimizer steps it.
+parameter's storage placement), so any torch optimizer and LR scheduler step it, and
+``torch.nn.utils.clip_grad_norm_`` over ``parameters()`` sees the global norm.
+
+Gradient accumulation: the backward graph leaves each gradient as its last op made it (possibly
+an unreduced partial sum); the move to storage (all-reduce, reduce-scatter) runs after it, once
+per backward, or, inside :meth:`DistributedModule.no_sync` (or on all but every
+``grad_accumulation``-th backward), not at all: the unreduced gradients are summed locally and
+moved once, on the next synchronizing backward, as DDP's ``no_sync`` does.
 
 ``load_state_dict`` takes DTensor values in any placement (redistributed to this plan's) or plain
 full tensors (each rank keeps its shard), and names every missing, unexpected or misshapen entry
@@ -13,14 +20,18 @@ in a :class:`~autoshard.errors.RuntimeMismatchError`; ``autoshard.checkpoint`` b
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.modules.module import _IncompatibleKeys
 
+from autoshard import _torch
 from autoshard.costmodel import local_shape
 from autoshard.errors import RuntimeMismatchError
+from autoshard.passes.rewrite import to_storage
 
 
 class _PlanStep(torch.autograd.Function):
@@ -29,7 +40,7 @@ class _PlanStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, module: "DistributedModule", *primals):
-        outs = module._fw(*primals)
+        outs = module._fw(*module._working_copies(primals))
         n = module._num_outputs
         saved = outs[n:]
         tensors = [s for s in saved if isinstance(s, torch.Tensor)]
@@ -42,11 +53,29 @@ class _PlanStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
-        saved = [next(tensors) if is_t else next(others) for is_t in ctx.layout]
-        grads = ctx.module._bw(*saved, *[g.contiguous() if g is not None else g for g in grad_outputs])
+        args = [next(tensors) if is_t else next(others) for is_t in ctx.layout]
+        args += [g.contiguous() if g is not None else g for g in grad_outputs]
+        # The backward graph takes its inputs boxed and frees each saved activation after its last
+        # use; for that no one else may hold them: autograd's saved copies go now (unless
+        # retain_graph), as in AOTAutograd's runtime. Without it every activation lived until the
+        # last gradient, on top of them: measured peaks 10-20% above the plan's.
+        del tensors
+        ctx.maybe_clear_saved_tensors()
+        grads = ctx.module._bw(args)
         n_params = len(ctx.module._param_names)
+        ctx.module._take_grads(grads[:n_params])
+        # the gradients were delivered to .grad above, in storage placement; autograd's path
+        # through to_local() would label an unreduced partial sum as the parameter's placement
         n_rest = len(ctx.module._buffer_names) + len(ctx.module._input_meta)
-        return (None, *grads[:n_params], *([None] * n_rest))
+        return (None, *([None] * (n_params + n_rest)))
+
+
+def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` called with one list, which it empties, so that a value is freed at its last use
+    in the graph rather than when the caller lets go of it."""
+    gm.graph.set_codegen(fx.graph._BoxedCodeGen())
+    gm.recompile()
+    return gm
 
 
 def _register(root: nn.Module, fqn: str, value, kind: str) -> None:
@@ -65,13 +94,15 @@ def _register(root: nn.Module, fqn: str, value, kind: str) -> None:
 class DistributedModule(nn.Module):
     def __init__(self, plan, mesh, fw: fx.GraphModule, bw: fx.GraphModule, num_outputs: int,
                  params: dict[str, DTensor], buffers: dict[str, torch.Tensor], input_placements: list,
-                 input_meta: list, aliases: dict[str, str] | None = None):
+                 input_meta: list, aliases: dict[str, str] | None = None, grad_placements: list | None = None,
+                 reduce_dtype: torch.dtype | None = None, grad_accumulation: int = 1, mixed_precision=None,
+                 working: dict | None = None):
         super().__init__()
         self.plan = plan
         self.mesh = mesh
         # The graphs are code, not state: kept out of the submodules so that their constants do
         # not show up in state_dict(), parameters() or a checkpoint.
-        self.__dict__["_fw"], self.__dict__["_bw"] = fw, bw
+        self.__dict__["_fw"], self.__dict__["_bw"] = fw, _boxed(bw)
         self._num_outputs = num_outputs
         self._param_names = list(params)
         self._buffer_names = list(buffers)
@@ -83,6 +114,101 @@ class DistributedModule(nn.Module):
         self.tie(aliases or {})
         self._input_placements = input_placements
         self._input_meta = input_meta  # global (shape, dtype) per input
+        # parameters whose plan computes with a gathered copy (working placement != storage)
+        self._working = {self._param_names.index(n): pl for n, pl in (working or {}).items()}
+        self.__dict__["_working_cache"] = {}  # index -> ((storage address, version), local working copy)
+        # placements of each gradient as the backward graph leaves it (None: no gradient)
+        rep = tuple([Replicate()] * mesh.ndim)
+        self._grad_placements = list(grad_placements) if grad_placements is not None else [rep] * len(params)
+        self._reduce_dtype = reduce_dtype
+        self.mixed_precision = mixed_precision
+        if not (isinstance(grad_accumulation, int) and grad_accumulation >= 1):
+            raise ValueError(f"grad_accumulation must be a positive int, not {grad_accumulation!r}")
+        self.grad_accumulation = grad_accumulation
+        self._backwards = 0          # backward passes since the last gradient move to storage
+        self._skip_sync = False
+        self.__dict__["_unreduced"] = {}  # name -> local unreduced gradient (not module state)
+
+    def _working_copies(self, primals):
+        """The graph's parameter inputs: storage shards, or for a parameter the plan gathers once per
+        step (ZeRO-1/2, FSDP without resharding after forward) its working copy, kept until the
+        stored values change (an optimizer step or a load bumps their version)."""
+        if not self._working:
+            return primals
+        primals, cache = list(primals), self.__dict__["_working_cache"]
+        for i, placements in self._working.items():
+            p = self.get_parameter(self._param_names[i])
+            # the DTensor's counter: an in-place update of a DTensor (optimizer step, load) does
+            # not bump the version of its local tensor, the one to_local() hands out
+            version = (primals[i].data_ptr(), _torch.tensor_version(p))
+            hit = cache.get(i)
+            if hit is None or hit[0] != version:
+                with torch.no_grad():
+                    hit = cache[i] = (version, self._gather(p, placements).to_local())
+            primals[i] = hit[1]
+        return primals
+
+    def _gather(self, p: DTensor, placements) -> DTensor:
+        low = getattr(self.mixed_precision, "param_dtype", None)
+        if low is None or not p.is_floating_point() or low.itemsize >= p.dtype.itemsize:
+            return p.redistribute(self.mesh, placements)
+        # The graph casts this copy to the compute dtype first thing; a value that went
+        # fp32 -> bf16 -> fp32 casts to the same bf16, so the gather may move bf16, exactly.
+        return p.to(low).redistribute(self.mesh, placements).to(p.dtype)
+
+    # --- gradients ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep their gradients unreduced on each rank (no gradient
+        collective); the first backward outside moves their sum with its own to storage, once.
+        As ``DistributedDataParallel.no_sync``: the micro-batches of one optimizer step but the
+        last run inside it."""
+        old, self._skip_sync = self._skip_sync, True
+        try:
+            yield
+        finally:
+            self._skip_sync = old
+
+    def _syncs_now(self) -> bool:
+        self._backwards += 1
+        if self._skip_sync:
+            return False
+        return self._backwards % self.grad_accumulation == 0
+
+    def _take_grads(self, local_grads) -> None:
+        unreduced = self.__dict__["_unreduced"]
+        sync = self._syncs_now()
+        for name, g, pl in zip(self._param_names, local_grads, self._grad_placements):
+            if g is None:
+                continue
+            if name in unreduced:  # the buffer is a past backward's output, no one else's
+                g = unreduced.pop(name).add_(g)
+            if not sync:
+                unreduced[name] = g
+                continue
+            p = self.get_parameter(name)
+            moved = to_storage(g, pl, p, self._reduce_dtype)
+            if p.grad is not None and tuple(p.grad.placements) == tuple(moved.placements):
+                # into the existing gradient in place, on the local shards, as AccumulateGrad does:
+                # a DTensor add allocates a new gradient and propagates shardings, per parameter
+                p.grad.to_local().add_(moved.to_local())
+            else:
+                p.grad = moved if p.grad is None else p.grad + moved
+        if sync:
+            self._backwards = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops gradients accumulated unreduced (inside ``no_sync``) and not yet moved."""
+        super().zero_grad(set_to_none)
+        self.__dict__["_unreduced"].clear()
+        self._backwards = 0
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this module's parameters: the norm of all
+        gradients across all shards (a replicated DTensor), every shard scaled alike."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type,
+                                              error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
     def tie(self, aliases: dict[str, str]) -> None:
         """Register tied weights (``{"head.weight": "wte.weight"}``: GPT-2's LM head is its

@@ -3,7 +3,18 @@
 ``GPT`` is a GPT-2-style decoder (pre-LayerNorm, fused QKV, GELU MLP, causal SDPA, LM head tied
 to the token embedding) whose forward
 takes token ids and targets and returns the mean cross-entropy loss; ``MLP`` a regression MLP
-returning the mean squared error. Both trace to the ops a transformer training step needs.
+returning the mean squared error; ``Llama`` a Llama-style decoder (RMSNorm, rotary, SwiGLU, GQA).
+All three trace to the ops a transformer training step needs.
+
+The registry builds these and more by name, tiny (numerics on CPU) or at a real size (planning
+on ``meta``): ResNet-50 (``autoshard.zoo_resnet``) and, from ``transformers`` configs with
+nothing downloaded, GPT-2, Llama 3, BERT, ViT and Mixtral (``autoshard.zoo_hf``)::
+
+    >>> zoo.names()
+    ['mlp', 'gpt', 'llama', 'resnet50', 'hf_gpt2', 'hf_llama3', 'bert', 'vit', 'mixtral']
+    >>> model, inputs = zoo.get("hf_llama3", "70b", device="meta")   # model(*inputs) is the loss
+    >>> zoo.sizes("hf_llama3")
+    ('tiny', '8b', '70b')
 """
 
 from __future__ import annotations
@@ -248,3 +259,102 @@ class Llama(nn.Module):
 
     def example_inputs(self, batch: int, device="cpu", generator=None) -> tuple[torch.Tensor, torch.Tensor]:
         return _token_batch(self.config, batch, device, generator)
+
+
+# --- registry ------------------------------------------------------------------------------------
+# name -> sizes, first "tiny" (numerics on CPU), then real ones (planning on meta); "real" means
+# the first real one. Real global batches: 8 sequences, as the GPT-2 demo plans (32 of BERT's
+# 512 tokens), 256 images (a common per-node ImageNet batch).
+_OWN_SIZES = {"mlp": ("tiny", "real"), "gpt": ("tiny", "124m"), "llama": ("tiny", "8b", "70b"),
+              "resnet50": ("tiny", "real")}
+TINY_BATCH = 8
+_REAL_BATCH = {"mlp": 1024, "resnet50": 256, "vit": 256, "bert": 32}  # default 8 sequences
+_REAL_SEQ = {"hf_llama3": 8192, "mixtral": 4096, "bert": 512}  # else the config's context length
+
+
+def _hf():
+    from autoshard import zoo_hf  # imports transformers (seconds): only when an HF model is asked for
+    return zoo_hf
+
+
+def names() -> list[str]:
+    """Every model :func:`get` builds."""
+    return [*_OWN_SIZES, "hf_gpt2", "hf_llama3", "bert", "vit", "mixtral"]
+
+
+def sizes(name: str) -> tuple[str, ...]:
+    """The sizes of a model, "tiny" first; "real" names the second."""
+    if name in _OWN_SIZES:
+        return _OWN_SIZES[name]
+    if name in names():
+        return _hf().BUILDERS[name][3]
+    raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(names())}")
+
+
+def _resolve(name: str, size: str) -> str:
+    known = sizes(name)
+    size = known[1] if size == "real" else size
+    if size not in known:
+        raise KeyError(f"zoo model {name!r} has sizes {', '.join(known)} (and 'real' = {known[1]}), not {size!r}")
+    return size
+
+
+def _build(name: str, size: str, dtype: torch.dtype) -> nn.Module:
+    if name == "mlp":
+        return MLP() if size == "tiny" else MLP((8192, 32768, 32768, 8192))
+    if name == "gpt":
+        return GPT(GPTConfig.tiny() if size == "tiny" else GPTConfig.gpt2_small())
+    if name == "llama":
+        return Llama({"tiny": LlamaConfig.tiny, "8b": LlamaConfig.llama3_8b, "70b": LlamaConfig.llama3_70b}[size]())
+    if name == "resnet50":
+        from autoshard.zoo_resnet import ResNet, ResNetConfig
+        return ResNet(ResNetConfig.tiny() if size == "tiny" else ResNetConfig.resnet50())
+    return _hf().build(name, size, dtype)
+
+
+def _input_specs(name: str, size: str, model: nn.Module, batch: int) -> list[tuple[tuple[int, ...], int | None]]:
+    """(shape, high) per input: token ids / labels in [0, high), or floats (high None)."""
+    if name == "mlp":
+        return [((batch, model.layers[0].in_features), None), ((batch, model.layers[-1].out_features), None)]
+    if name in ("gpt", "llama"):
+        return [((batch, model.config.seq), model.config.vocab)] * 2
+    if name == "resnet50":
+        c = model.config
+        return [((batch, 3, c.image, c.image), None), ((batch,), c.classes)]
+    config = model.model.config
+    if name == "vit":
+        s = config.image_size
+        return [((batch, 3, s, s), None), ((batch,), config.num_labels)]
+    seq = 16 if size == "tiny" else _REAL_SEQ.get(name) or config.n_positions
+    return [((batch, seq), config.vocab_size)] * 2
+
+
+def get(name: str, size: str = "tiny", *, device=None, batch: int | None = None, seed: int = 0,
+        dtype: torch.dtype | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """``(model, inputs)``: ``model(*inputs)`` is a scalar training loss; ``inputs`` are the
+    global batch, drawn from ``seed`` (the same on every call and rank), on ``device``.
+
+    Weights are random, from ``seed`` too, unless ``device`` is ``"meta"`` (no memory: for
+    planning real sizes). ``size`` is one of :func:`sizes` or ``"real"``. Real sizes default to a
+    global batch of 8 sequences (256 images for the vision models) and train in ``dtype``
+    (default: float32 for tiny, bfloat16 for real sizes on meta)."""
+    size = _resolve(name, size)
+    device = torch.device(device if device is not None else "cpu")
+    if dtype is None:
+        dtype = torch.bfloat16 if size != "tiny" and device.type == "meta" else torch.float32
+    batch = batch or (TINY_BATCH if size == "tiny" else _REAL_BATCH.get(name, 8))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = _build(name, size, dtype)
+    model.to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    inputs = []
+    for shape, high in _input_specs(name, size, model, batch):
+        if device.type == "meta":
+            inputs.append(torch.empty(shape, dtype=dtype if high is None else torch.long, device=device))
+        elif high is None:
+            inputs.append(torch.randn(shape, generator=g).to(device=device, dtype=dtype))
+        else:
+            inputs.append(torch.randint(0, high, shape, generator=g).to(device))
+    return model, tuple(inputs)

@@ -5,12 +5,18 @@ op its inputs are redistributed to the placements the op's strategy needs, then 
 op on local shards (shape arguments made local by DTensor's own rules). Tracing that with
 ``make_fx`` records only local ops and the functional collectives the redistributions issue; the
 result is a local joint graph (``primals`` = local parameter shards and inputs, ``tangents``)
-whose outputs are the loss, replicated, and each gradient in its parameter's storage placement.
-torch's partitioner then splits it into forward and backward.
+whose outputs are the loss, replicated, and each gradient as its last op left it (possibly a
+pending partial sum). torch's partitioner then splits it into forward and backward.
+
+The gradient's last move, into its parameter's storage placement (the plan's "grad" edge: DDP's
+all-reduce, FSDP's reduce-scatter), is not in the graph: the runtime makes it with
+:func:`to_storage`, after summing the unreduced gradients of several micro-batches when it
+accumulates (the move is linear: reduce(sum g_k) = sum reduce(g_k)). With a ``reduce_dtype``,
+every reduction of a partial sum on the way to a parameter's gradient runs in that dtype.
 
 Example (inside a process group; ``choice``: node -> chosen Strategy)::
 
-    >>> joint, n_out = local_joint(traced, choice, mesh, local_primals)
+    >>> joint, n_out, grad_placements = local_joint(traced, choice, mesh, local_primals)
     >>> fw, bw = split(joint, n_out, recompute=frozenset({"gelu"}))
     >>> sorted({str(n.target) for n in bw.graph.nodes if "c10d" in str(n.target)})[:1]
     ['_c10d_functional.all_reduce.default']
@@ -39,16 +45,36 @@ PHASE = "autoshard.phase"   # meta["custom"] key: "fwd" or "bwd"
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
-def _to_placements(dt: DTensor, placements) -> DTensor:
+def _keep_layout(out: DTensor) -> DTensor:
+    """A collective hands back its local result contiguous, but the traced graph may rely on the
+    producer's memory order (CPU flash attention returns a transposed view, and a later ``view``
+    needs it): lay the local shard out in the order of the DTensor's own strides."""
+    if out.ndim < 2:
+        return out
+    order = lambda strides: sorted(range(out.ndim), key=lambda d: (-strides[d], d))  # noqa: E731
+    want, local = order(out.stride()), out.to_local()
+    if want == order(local.stride()):
+        return out
+    back = sorted(range(out.ndim), key=lambda d: want[d])
+    return DTensor.from_local(local.permute(want).contiguous().permute(back), out.device_mesh, out.placements,
+                              run_check=False, shape=out.shape, stride=out.stride())
+
+
+def _to_placements(dt: DTensor, placements, reduce_dtype: torch.dtype | None = None) -> DTensor:
     placements = tuple(placements)
     if tuple(dt.placements) == placements:
         return dt
+    if reduce_dtype is not None and dt.dtype != reduce_dtype and any(
+            isinstance(p, Partial) and p != q for p, q in zip(dt.placements, placements)):
+        # the pending sum is taken in reduce_dtype (bf16 partials summed in fp32, or fp32 ones
+        # sent as bf16); the cast of a partial sum is applied to each addend, so it stays partial
+        return _to_placements(dt.to(reduce_dtype), placements).to(dt.dtype)
     mesh = dt.device_mesh
     # DTensor will not redistribute *to* Partial; do Replicate -> Partial here: the value stays on
     # mesh coordinate 0 of that dim and is zero elsewhere, so the pending sum is exact.
     to_partial = [d for d, p in enumerate(placements) if isinstance(p, Partial) and dt.placements[d] != p]
     if not to_partial:
-        return dt.redistribute(mesh, placements)
+        return _keep_layout(dt.redistribute(mesh, placements))
     staged = tuple(Replicate() if d in to_partial else p for d, p in enumerate(placements))
     if tuple(dt.placements) != staged:
         dt = dt.redistribute(mesh, staged)
@@ -64,13 +90,13 @@ def _mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh):
+def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
     inputs = iter(strategy.inputs)
 
     def arg(a):
         if not isinstance(a, fx.Node):
             return a
-        return _to_placements(env[a], next(inputs))
+        return _to_placements(env[a], next(inputs), reduce_dtype)
 
     args = _torch.tree_map_only(fx.Node, arg, node.args) if tensor_inputs(node) else node.args
     kwargs = _torch.tree_map_only(fx.Node, arg, node.kwargs) if tensor_inputs(node) else node.kwargs
@@ -96,9 +122,12 @@ def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh):
     return tuple(fixed) if isinstance(out, (tuple, list)) else fixed[0]
 
 
-def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: list[torch.Tensor]) -> tuple[fx.GraphModule, int]:
+def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: list[torch.Tensor],
+                reduce_dtype: torch.dtype | None = None) -> tuple[fx.GraphModule, int, list]:
     """The rank-local joint graph (see module doc). ``local_primals``: local params, buffers, inputs
-    in placeholder order (example tensors, for tracing). Returns (graph, number of forward outputs)."""
+    in placeholder order (example tensors, for tracing). Returns (graph, number of forward
+    outputs, placements of each gradient output: one per parameter, None where it has no
+    gradient); :func:`to_storage` finishes each gradient."""
     gm = traced.gm
     placeholders = gm.graph.find_nodes(op="placeholder")
     primal_nodes = [n for n in placeholders if n not in traced.tangents]
@@ -110,6 +139,9 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
             param_of_grad.setdefault(g, []).append(params[name])
     (out_node,) = gm.graph.find_nodes(op="output")
     rep = tuple([Replicate()] * mesh.ndim)
+    to_grads = _feeds_only_grads(gm, traced) if reduce_dtype is not None else set()
+    narrowing = _parameter_casts(traced)
+    grad_placements: list = []
 
     def joint(primals, tangents):
         env: dict[fx.Node, object] = {}
@@ -129,18 +161,25 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
             with fx_traceback.annotate({ORIGIN: node.name, PHASE: phase[node]}):
                 if ns.alias_of is not None:
                     env[node] = operator.getitem(env[node.args[0]], node.args[1])
+                elif node in narrowing:
+                    # cast in the parameter's own placement, then move: the cast commutes with
+                    # any gather exactly, so gathers move bf16 whatever placement the plan casts in
+                    cast = node.target(env[node.args[0]], *node.args[1:], **node.kwargs)
+                    env[node] = _to_placements(cast, choice[node].outputs[0])
                 else:
-                    env[node] = _run_node(node, env, choice[node], mesh)
+                    env[node] = _run_node(node, env, choice[node], mesh,
+                                          reduce_dtype if node in to_grads else None)
                 # Outputs become replicated right where they are made: the partitioner reads
                 # phases from graph order, so nothing of the forward may follow the backward.
                 for i, o in enumerate(traced.outputs):
                     if o is node:
                         outs[i] = _to_placements(env[o], rep).to_local()
         grads = []
-        with fx_traceback.annotate({PHASE: "bwd"}):
-            for name, pnode in traced.params:
-                g = traced.grads.get(name)
-                grads.append(None if g is None else _to_placements(env[g], storage[pnode]).to_local())
+        grad_placements.clear()
+        for name, _ in traced.params:
+            g = traced.grads.get(name)
+            grads.append(None if g is None else env[g].to_local())
+            grad_placements.append(None if g is None else tuple(env[g].placements))
         return outs + grads
 
     n_tangents = len(traced.tangents)
@@ -148,7 +187,46 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
     phase = phases(gm)
     with torch.no_grad(), fx_traceback.preserve_node_meta():
         local = make_fx(joint, tracing_mode="fake")(list(local_primals), example_tangents)
-    return local, len(traced.outputs)
+    return local, len(traced.outputs), list(grad_placements)
+
+
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def _parameter_casts(traced) -> set[fx.Node]:
+    """Casts of a parameter to a narrower dtype (the mixed-precision policy's, autoshard/precision.py)."""
+    found = set()
+    for _, p in traced.params:
+        for user in p.users:
+            val = user.meta.get("val")
+            if (user.target in _CASTS and user.args[0] is p and isinstance(val, torch.Tensor)
+                    and val.dtype.itemsize < p.meta["val"].dtype.itemsize):
+                found.add(user)
+    return found
+
+
+def _feeds_only_grads(gm: fx.GraphModule, traced) -> set[fx.Node]:
+    """Nodes whose values reach nothing but parameter gradients (the weight-gradient matmul, its
+    transposes and casts): the reductions into them are gradient reductions."""
+    grads = {g for g in traced.grads.values() if g is not None}
+    only: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        users = list(node.users)
+        if node in grads or (users and all(u in only for u in users)):
+            only.add(node)
+    return only
+
+
+def to_storage(local_grad: torch.Tensor, placements, param: DTensor,
+               reduce_dtype: torch.dtype | None = None) -> DTensor:
+    """A gradient output of the local graph (this rank's piece, in ``placements``) moved to its
+    parameter's storage placement, as a DTensor like ``param``: DDP's all-reduce, FSDP's
+    reduce-scatter, or nothing where the placements agree."""
+    dt = DTensor.from_local(local_grad, param.device_mesh, placements, run_check=False,
+                            shape=param.shape, stride=param.stride())
+    return _to_placements(dt, param.placements, reduce_dtype)
 
 
 def _local_out_example(traced, i: int) -> torch.Tensor:

@@ -92,6 +92,28 @@ def _user_frame(exc: BaseException) -> str:
     return f'{f.filename}:{f.lineno} in {f.name}: "{(f.line or "").strip()}"'
 
 
+# What to do when the failing line is inside transformers rather than in the user's model: the
+# library's own value checks, which the user cannot rewrite but can route around by configuration.
+_TRANSFORMERS_HINTS = (
+    ("masking_utils", "transformers' attention-mask helpers inspect mask or position values; build the "
+                      "model with attn_implementation=\"autoshard_sdpa\" (registered by importing "
+                      "autoshard.zoo_hf), which builds no mask and runs causal or bidirectional SDPA, "
+                      "and pass no attention_mask"),
+    ("expert", "the Mixture-of-Experts layer loops over the experts the data selects; build it with "
+                "experts_implementation=\"batched_mm\" (float32) or \"grouped_mm\" (bfloat16)"),
+)
+
+
+def _hint(where: str) -> str:
+    if f"{os.sep}transformers{os.sep}" not in where:
+        return ("Rewrite it with torch.where / torch.cond, or move the decision out of forward().")
+    for key, text in _TRANSFORMERS_HINTS:
+        if key in where.lower():
+            return f"That line is in transformers: {text}."
+    return ("That line is in transformers: look for a config option that avoids it (attention, "
+            "experts or cache implementation), or report it.")
+
+
 def trace(model: nn.Module, example_inputs: tuple) -> TracedModel:
     """Trace ``model(*example_inputs)`` (which must return a scalar loss, or tensors) jointly."""
     if not isinstance(example_inputs, (tuple, list)):
@@ -107,10 +129,11 @@ def trace(model: nn.Module, example_inputs: tuple) -> TracedModel:
         if _torch.is_data_dependent_error(exc):
             raise TraceError(
                 f"{type(model).__name__} has Python control flow that depends on tensor values, "
-                f"which cannot be traced at {where}. Rewrite it with torch.where / torch.cond, or "
-                f"move the decision out of forward()."
+                f"which cannot be traced at {where}. {_hint(where)}"
             ) from exc
-        raise TraceError(f"could not trace {type(model).__name__} at {where}: {type(exc).__name__}: {exc}") from exc
+        hint = f". {_hint(where)}" if f"{os.sep}transformers{os.sep}" in where else ""
+        raise TraceError(f"could not trace {type(model).__name__} at {where}: "
+                         f"{type(exc).__name__}: {exc}{hint}") from exc
     finally:
         model.train(was_training)
     traced = _pair(gm, example_inputs)
@@ -176,6 +199,11 @@ def _pair(gm: fx.GraphModule, example_inputs) -> TracedModel:
             grads[desc.grad_of.target] = val
         elif isinstance(desc, _torch.PlainAOTOutput):
             outputs.append(val)
+        elif getattr(getattr(desc, "mutated_input", None), "target", None) is not None:
+            raise TraceError(f"forward() updates {desc.mutated_input.target} in place; autoshard traces a "
+                             f"training step whose only state change is the optimizer's. BatchNorm's running "
+                             f"statistics are such an update: build it with track_running_stats=False "
+                             f"(batch statistics, as training uses), or keep the buffer out of forward()")
         else:
             raise TraceError(f"unexpected graph output {val} ({desc!r}); autoshard traces models whose "
                              f"forward returns tensors and does not mutate its inputs")

@@ -16,6 +16,27 @@ An edge from a parameter into a view of it is *aligned* (no resharding: the view
 storage placement, sum_{s: in_e(s) = p} x[v,s] = sum_{s: out_e(s) = p} x[u,s]), so parameters
 are gathered at their consumers, forward and backward alike. Memory rows: solver/memory.py;
 repeated layers: :func:`share`.
+
+Storage. Each parameter p has two placements: its storage O (a :class:`Storage` decision: where
+the module holds it between steps, where its gradient lands and where its optimizer state lives)
+and its working placement S (the placeholder's strategy, what its consumers and views read). An
+edge O -> S charges one gather per step; when S differs from O the gathered copy stays for the
+whole step (the memory rows count it), otherwise each consumer gathers from storage on its own,
+forward and backward (FSDP's reshard-after-forward). So DDP (O = S = R), ZeRO-3/FSDP (O = S
+sharded), ZeRO-1/2 (O sharded, S = R: sharded gradients and optimizer state, parameters gathered
+once), FSDP without resharding after forward, and their per-parameter mixes are all choices here.
+
+Overlap. Moving a parameter (its gathers at consumers) and reducing a gradient to storage depend
+on no activation, so the runtime can issue them ahead (FSDP's prefetch, DDP's bucketed
+reduction) and hide them behind compute; every other collective (tensor-parallel all-reduces,
+activation resharding) sits on the critical path. Per block b (a repeated layer's copy; all
+nodes outside repeated layers form one more block), with a = the cluster's ``comm_overlap``:
+
+    E_b >= sum_{overlappable e in b} R_e  -  a * sum_{v in b} sum_s c[v,s] x[v,s],   E_b >= 0
+
+and the objective charges E_b instead of those edges. A gather belongs to its consumer's block,
+a gradient reduction to its producer's. With a = 0 everything is exposed (the CPU runtime issues
+collectives in graph order and waits on each).
 """
 
 from __future__ import annotations
@@ -29,6 +50,7 @@ from torch.distributed.tensor import Replicate
 from autoshard import costmodel
 from autoshard.errors import ConstraintError
 from autoshard.passes.annotate import is_free
+from autoshard.passes.coarsen import LAYER_KEY
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 
 
@@ -40,9 +62,33 @@ class Edge:
     dst_in: list | None          # consumer's required placement per consumer strategy
     nbytes: float                # global size of the tensor
     fixed: tuple | None = None   # required placement when dst is None
-    kind: str = "input"          # input | output | grad
-    weight: float = 1.0          # how many identical edges this one stands for (repeated layers)
+    kind: str = "input"          # input | output | grad (to storage) | gather (storage -> working)
+    weight: float = 1.0          # runs per step: micro-batches x identical edges merged (repeated layers)
     aligned: bool = False        # the consumer must take the producer's placement (no resharding)
+    overlap: bool = False        # a parameter's or gradient's move: may hide behind its block's compute
+    block: object = None         # the block whose compute can hide it (overlap edges)
+
+
+class Storage:
+    """A parameter's storage decision: no graph node of its own, the parameter's strategies as its
+    options (their output placement is the storage placement)."""
+
+    op = "storage"
+    target = "storage"
+    args: tuple = ()          # fx.Node's reading surface, so predicates over nodes need no case
+    kwargs: dict = {}
+    users: dict = {}
+    all_input_nodes: list = []
+
+    def __init__(self, param: fx.Node):
+        self.param = param
+        self.name = param.name  # its collectives show at the parameter
+        self.meta = {META_KEY: param.meta[META_KEY]}
+        if LAYER_KEY in param.meta:
+            self.meta[LAYER_KEY] = param.meta[LAYER_KEY]
+
+    def __repr__(self) -> str:
+        return f"Storage({self.param.name})"
 
 
 @dataclass
@@ -51,6 +97,10 @@ class Problem:
     cost: dict[fx.Node, list[float]]
     allowed: dict[fx.Node, list[int]]          # strategies a node may take (after constraints)
     edges: list[Edge] = field(default_factory=list)
+    block: dict[fx.Node, object] = field(default_factory=dict)   # node -> block (see Overlap)
+    overlap: float = 0.0                                        # the cluster's comm_overlap
+    micro_batches: int = 1                                      # K: graph runs per optimizer step
+    storage: dict = field(default_factory=dict)                 # parameter placeholder -> its Storage
 
     def src_placement(self, e: Edge, s: int):
         return e.src.meta[META_KEY].strategies[s].outputs[e.src_out]
@@ -74,12 +124,19 @@ def _restrict(node: fx.Node, placements, what: str) -> list[int]:
     return ok
 
 
-def formulate(traced, cluster, constraints: dict | None = None, allow=None) -> Problem:
+def formulate(traced, cluster, constraints: dict | None = None, allow=None, micro_batches: int = 1) -> Problem:
     """``allow(node, strategy) -> bool`` (optional) limits the strategies the solver may pick;
-    hand-written strategies (autoshard.baselines) are such limits on this same problem."""
+    hand-written strategies (autoshard.baselines) are such limits on this same problem.
+
+    ``micro_batches`` K: one step runs the graph K times (gradient accumulation); every compute
+    cost and resharding counts K times except the gradients' reduction to storage, which runs
+    once, on the last micro-batch (the earlier ones accumulate unreduced: solver/memory.py)."""
     gm = traced.gm
+    storage = {node: Storage(node) for _, node in traced.params}
     nodes = [n for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].alias_of is None]
-    cost = {n: [costmodel.compute_time(cluster, n, s) for s in n.meta[META_KEY].strategies] for n in nodes}
+    nodes += storage.values()
+    cost = {n: [0.0 if isinstance(n, Storage) else micro_batches * costmodel.compute_time(cluster, n, s)
+                for s in n.meta[META_KEY].strategies] for n in nodes}
     allowed = {n: list(range(len(n.meta[META_KEY].strategies))) for n in nodes}
     rep = tuple([Replicate()] * cluster.ndim)
 
@@ -103,7 +160,7 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None) -> P
             raise ConstraintError(f"constraint {key!r} matches no parameter (parameters are named like {names}, ...)")
         pl = _parse_placements(value, cluster.ndim, key)
         for name, node in matched:
-            allowed[node] = _restrict(node, pl, f"parameter {name}")
+            allowed[storage[node]] = _restrict(node, pl, f"parameter {name}")
 
     if allow is not None:
         for n in nodes:
@@ -111,8 +168,16 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None) -> P
             allowed[n] = [s for s in allowed[n] if allow(n, strategies[s])]
             if not allowed[n]:
                 raise ConstraintError(f"no strategy of {n.name} ({n.target}) satisfies the given limits")
-    problem = Problem(nodes, cost, allowed)
+    block = {n: (n.meta.get(LAYER_KEY) or (None, None))[1] for n in nodes}
+    problem = Problem(nodes, cost, allowed, block=block, overlap=cluster.device.comm_overlap,
+                      micro_batches=micro_batches, storage=storage)
+    # storage -> working placement: one gather per step (not per micro-batch: the copy is kept)
+    for p, st in storage.items():
+        problem.edges.append(Edge(st, 0, p, [s.outputs[0] for s in p.meta[META_KEY].strategies],
+                                  costmodel.tensor_nbytes(p.meta["val"]), kind="gather", overlap=True,
+                                  block=block[p]))
     params = {node for _, node in traced.params}
+    moved = set(params)  # parameters and their views: what a consumer gathers without waiting on compute
     for v in nodes:
         if v.op != "call_function":
             continue
@@ -121,21 +186,39 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None) -> P
             # A view of a parameter takes the parameter's storage placement: the gather happens at
             # each consumer, forward and backward, so no gathered copy lives from one to the other
             # (FSDP's reshard-after-forward) and the view costs no memory, as the memory model says.
+            aligned = u in params and is_free(v)
+            if aligned:
+                moved.add(v)
             problem.edges.append(Edge(u, k, v, [s.inputs[i] for s in v.meta[META_KEY].strategies],
-                                      costmodel.tensor_nbytes(arg.meta["val"]),
-                                      aligned=u in params and is_free(v)))
+                                      costmodel.tensor_nbytes(arg.meta["val"]), aligned=aligned,
+                                      overlap=u in moved and not aligned, block=block[v], weight=micro_batches))
     for out in traced.outputs:
         if out is not None:
             u, k = value_of(out)
-            problem.edges.append(Edge(u, k, None, None, costmodel.tensor_nbytes(out.meta["val"]), rep, "output"))
+            problem.edges.append(Edge(u, k, None, None, costmodel.tensor_nbytes(out.meta["val"]), rep, "output",
+                                      weight=micro_batches))
     params = dict(traced.params)
     for name, grad in traced.grads.items():
         if grad is not None:
             u, k = value_of(grad)
             p = params[name]
-            problem.edges.append(Edge(u, k, p, [s.outputs[0] for s in p.meta[META_KEY].strategies],
-                                      costmodel.tensor_nbytes(grad.meta["val"]), kind="grad"))
+            problem.edges.append(Edge(u, k, storage[p], [s.outputs[0] for s in p.meta[META_KEY].strategies],
+                                      costmodel.tensor_nbytes(grad.meta["val"]), kind="grad", overlap=True,
+                                      block=block[u]))
     return problem
+
+
+def pool_blocks(problem: Problem, rep: dict[fx.Node, fx.Node]) -> None:
+    """Give each class member its representative's block, so the overlap rows of shared layers
+    pool every copy's comm and compute (as :func:`share` sums them); copies that choose alike
+    hide the same, so this changes nothing but boundary effects between unlike neighbours."""
+    for v in problem.nodes:
+        if v in rep:
+            problem.block[v] = problem.block.get(rep[v])
+    for e in problem.edges:
+        if e.overlap:
+            anchor = e.src if e.kind == "grad" else e.dst
+            e.block = problem.block.get(anchor)
 
 
 def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
@@ -144,26 +227,37 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
 
     Returns (problem, memory model, expand) where ``expand(choice, recompute)`` maps a solution
     of the shared problem back onto every node."""
+    # a parameter's storage joins its class when it is as free as the representative's
+    rep = {**rep, **{st: problem.storage[rep[p]] for p, st in problem.storage.items()
+                     if p in rep and problem.allowed[st] == problem.allowed[problem.storage[rep[p]]]}}
     r = lambda v: rep.get(v, v)  # noqa: E731
     nodes = list(dict.fromkeys(r(v) for v in problem.nodes))
     cost: dict[fx.Node, list[float]] = {v: [0.0] * len(problem.cost[v]) for v in nodes}
     for v in problem.nodes:
         cost[r(v)] = [a + b for a, b in zip(cost[r(v)], problem.cost[v])]
-    shared = Problem(nodes, cost, {v: problem.allowed[v] for v in nodes})
+    # a class's block is its representative's: the block rows then sum every copy's comm and
+    # compute, which equals the sum of the per-copy rows since the copies choose alike
+    shared = Problem(nodes, cost, {v: problem.allowed[v] for v in nodes},
+                     block={v: problem.block.get(v) for v in nodes}, overlap=problem.overlap,
+                     micro_batches=problem.micro_batches,
+                     storage={p: st for p, st in problem.storage.items() if p in cost})
     merged: dict[tuple, Edge] = {}
     for e in problem.edges:
+        anchor = e.src if e.kind == "grad" else e.dst
+        blk = None if anchor is None else problem.block.get(r(anchor))
         key = (r(e.src), e.src_out, None if e.dst is None else r(e.dst),
-               None if e.dst is None else tuple(map(str, e.dst_in)), e.nbytes, e.fixed, e.kind, e.aligned)
+               None if e.dst is None else tuple(map(str, e.dst_in)), e.nbytes, e.fixed, e.kind, e.aligned,
+               e.overlap, blk)
         if key in merged:
             merged[key].weight += e.weight
         else:
             merged[key] = Edge(r(e.src), e.src_out, None if e.dst is None else r(e.dst), e.dst_in, e.nbytes,
-                               e.fixed, e.kind, e.weight, e.aligned)
+                               e.fixed, e.kind, e.weight, e.aligned, e.overlap, blk)
     shared.edges = list(merged.values())
 
     from autoshard.solver.memory import MemoryModel
 
-    m = MemoryModel(mm.limit, recompute_all=mm.recompute_all)
+    m = MemoryModel(mm.limit, recompute_all=mm.recompute_all, mesh_shape=mm.mesh_shape)
     for table, out in ((mm.state, m.state), (mm.act, m.act)):
         for v, vals in table.items():
             out[r(v)] = [a + b for a, b in zip(out.get(r(v), [0.0] * len(vals)), vals)]
@@ -177,6 +271,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
     for v, u in mm.base_of.items():
         if r(u) is not r(v):
             m.base_of[r(v)] = r(u)
+    m.held = [(r(st), r(p), nbytes) for st, p, nbytes in mm.held]
 
     def expand(choice: dict, recompute: set) -> tuple[dict, set]:
         return ({v: choice[r(v)] for v in problem.nodes},

@@ -2,7 +2,13 @@
 
     peak = sum_{v,s} state[v,s] x[v,s]              parameters (+ gradients and optimizer state
                                                      when trained) by storage placement, buffers,
-                                                     inputs
+                                                     inputs; with K > 1 micro-batches also each
+                                                     gradient's accumulation buffer, unreduced,
+                                                     by its producer's placement
+         + sum_p sum_{q != s} w[p,s] y[p,q,s]        working copies: parameter p gathered from
+                                                     storage q to working placement s, kept for
+                                                     the step (y: the storage -> working edge's
+                                                     flow variables; w: bytes at s)
          + sum_{v,s} act[v,s] k[v,s]                 activations kept for backward
          + T,  T >= sum_s work[v,s] x[v,s]  (all v)  the largest op's working set
          <= limit
@@ -45,6 +51,8 @@ class MemoryModel:
     inputs_of: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     base_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
     recompute_all: bool = False     # every recomputable node recomputed (full activation checkpointing)
+    mesh_shape: tuple = ()
+    held: list = field(default_factory=list)   # (storage, parameter, bytes): a gathered working copy
 
     @property
     def candidates(self) -> list[fx.Node]:
@@ -77,14 +85,23 @@ def _producer(node: fx.Node) -> fx.Node:
 def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float) -> MemoryModel:
     """optimizer_factor: optimizer-state bytes per parameter byte (Adam: 2)."""
     mesh = cluster.mesh_shape
-    mm = MemoryModel(limit)
+    mm = MemoryModel(limit, mesh_shape=tuple(mesh))
     trained = {name for name, g in traced.grads.items() if g is not None}
     for name, node in traced.params:
-        # a frozen parameter has no gradient and no optimizer state
+        # at its storage placement: a frozen parameter has no gradient and no optimizer state
         factor = 2.0 + optimizer_factor if name in trained else 1.0
-        mm.state[node] = [b * factor for b in _local_outputs(node, mesh)]
+        mm.state[problem.storage[node]] = [b * factor for b in _local_outputs(node, mesh)]
+        mm.held.append((problem.storage[node], node, costmodel.tensor_nbytes(node.meta["val"])))
     for node in [*traced.inputs, *(node for _, node in traced.buffers)]:
         mm.state[node] = _local_outputs(node, mesh)
+    if problem.micro_batches > 1:
+        # all but the last micro-batch keep their gradients unreduced, where backward made them
+        # (a Partial gradient is a full local copy), and add the next one's into them
+        for e in problem.edges:
+            if e.kind == "grad":
+                held = [costmodel.local_bytes(e.nbytes, s.outputs[e.src_out], mesh)
+                        for s in e.src.meta[META_KEY].strategies]
+                mm.state[e.src] = [a + b for a, b in zip(mm.state.get(e.src, [0.0] * len(held)), held)]
 
     fwd = [v for v in problem.nodes if v.op == "call_function" and v.meta[COST_KEY].phase == "fwd"]
     fwd_set = set(fwd)
@@ -137,11 +154,22 @@ def saved_for_backward(mm: MemoryModel, recompute: set) -> list[fx.Node]:
     return list(saved)
 
 
+def working_copies(mm: MemoryModel, choice: dict, mesh_shape) -> float:
+    """Bytes of the parameters gathered once per step and kept (working placement != storage)."""
+    total = 0.0
+    for st, p, nbytes in mm.held:
+        have = st.meta[META_KEY].strategies[choice[st]].outputs[0]
+        want = p.meta[META_KEY].strategies[choice[p]].outputs[0]
+        if have != want:
+            total += costmodel.local_bytes(nbytes, want, mesh_shape)
+    return total
+
+
 def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, float]:
     """The peak a chosen plan needs: the bytes the runtime will actually hold, which the ILP's
     rows bound from above (its slack variables may sit anywhere below the limit)."""
     return {
-        "state": sum(mm.state[v][choice[v]] for v in mm.state),
+        "state": sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape),
         "activations": sum(mm.act[u][choice[u]] for u in saved_for_backward(mm, recompute) if u in mm.act),
         "transient": max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
     }
@@ -152,7 +180,7 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
     activation from its forward node until its last backward reader, plus that op's working set."""
     from autoshard.passes.strategies import value_of
 
-    state = sum(mm.state[v][choice[v]] for v in mm.state)
+    state = sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape)
     saved = set(saved_for_backward(mm, recompute))
     last_use: dict[fx.Node, fx.Node] = {}
     for n in graph.nodes:

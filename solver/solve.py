@@ -30,8 +30,9 @@ class _MemoryRows:
     terms: list        # the peak as [(var, bytes)]
 
 
-def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x) -> _MemoryRows:
-    """The memory block of DESIGN.md's ILP (formulas in solver/memory.py)."""
+def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: list) -> _MemoryRows:
+    """The memory block of DESIGN.md's ILP (formulas in solver/memory.py); ``held``: the working
+    copies' [(var, bytes)]."""
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
     r = {v: solver.NumVar(1, 1, "") if mm.recompute_all else solver.BoolVar("") for v in mm.recomputable}
     keep = {v: solver.BoolVar("") for v in mm.candidates}
@@ -75,7 +76,7 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x) -> _Me
         solver.Add(t >= solver.Sum([var * (w / MB) for var, w in expr(mm.work, v)]))
 
     state_terms = [term for v in mm.state for term in expr(mm.state, v)]
-    terms = state_terms + saved_terms + [(t, MB)]
+    terms = state_terms + held + saved_terms + [(t, MB)]
     # peak <= limit
     solver.Add(solver.Sum([var * (c / MB) for var, c in terms]) <= mm.limit / MB)
     return _MemoryRows(r, terms)
@@ -124,6 +125,17 @@ def _edge_cost(problem: Problem, e, x, reshard) -> tuple[list, list]:
     return [], [(src, dst, r)]
 
 
+def _pairs(problem: Problem, e, x):
+    """(x var, (source placement, destination placement)) of an edge whose one side has a single
+    placement: the variables of the other side."""
+    srcs = {problem.src_placement(e, s) for s in problem.allowed[e.src]}
+    if len(srcs) == 1:
+        (q,) = srcs
+        return [(x[e.dst, s], (q, e.dst_in[s])) for s in problem.allowed[e.dst]]
+    (p,) = {e.dst_in[s] for s in problem.allowed[e.dst]}
+    return [(x[e.src, s], (problem.src_placement(e, s), p)) for s in problem.allowed[e.src]]
+
+
 def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_limit: float = 60.0,
           backend: str = "HIGHS", minimize: str = "time", mip_gap: float = 1e-4) -> Solution:
     """``minimize="memory"`` finds the smallest feasible peak instead (for infeasibility reports).
@@ -163,22 +175,50 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
                 solver.Add(solver.Sum(src_vars) == solver.Sum(dst_vars))
 
     # Edges: resharding cost, linear in x when one side has a single placement, else flow form.
+    # A parameter's or gradient's move goes to its block's comm instead (formulation.py: Overlap).
+    hideable: dict[object, list] = {}
+
+    def charge(e, var, c):
+        if e.overlap and problem.overlap > 0:
+            hideable.setdefault(e.block, []).append((var, c))
+        else:
+            objective.SetCoefficient(var, objective.GetCoefficient(var) + c)
+
+    held = []  # a parameter's working copy, when its working placement is not its storage
     for e in problem.edges:
         if e.aligned:
             continue
         terms, flows = _edge_cost(problem, e, x, reshard)
         for var, c in terms:
-            objective.SetCoefficient(var, objective.GetCoefficient(var) + c * US)
+            charge(e, var, c * US)
+        if e.kind == "gather" and not flows:  # one side has one placement: the copy is linear in x
+            for var, (q, p) in _pairs(problem, e, x):
+                if q != p:
+                    held.append((var, e.weight * costmodel.local_bytes(e.nbytes, p, cluster.mesh_shape)))
         for src, dst, r in flows:
             y = {(q, p): solver.NumVar(0, 1, "") for q in src for p in dst}
+            if e.kind == "gather":
+                held += [(var, e.weight * costmodel.local_bytes(e.nbytes, p, cluster.mesh_shape))
+                         for (q, p), var in y.items() if q != p]
             for (q, p), var in y.items():
-                objective.SetCoefficient(var, r[q, p] * US)
+                charge(e, var, r[q, p] * US)
             for q, ss in src.items():
                 solver.Add(solver.Sum([y[q, p] for p in dst]) == solver.Sum([x[e.src, s] for s in ss]))
             for p, ss in dst.items():
                 solver.Add(solver.Sum([y[q, p] for q in src]) == solver.Sum([x[e.dst, s] for s in ss]))
 
-    mem = _memory_rows(solver, objective, problem, memory, x) if memory is not None else None
+    # E_b >= comm_b - a * compute_b, E_b >= 0
+    members: dict[object, list] = {}
+    for v in problem.nodes:
+        members.setdefault(problem.block.get(v), []).append(v)
+    for b, terms in hideable.items():
+        compute = [(x[v, s], problem.overlap * problem.cost[v][s] * US)
+                   for v in members.get(b, []) for s in problem.allowed[v] if problem.cost[v][s] > 0]
+        exposed = solver.NumVar(0, solver.infinity(), "")
+        objective.SetCoefficient(exposed, 1.0)
+        solver.Add(exposed >= solver.Sum([var * c for var, c in terms]) - solver.Sum([var * c for var, c in compute]))
+
+    mem = _memory_rows(solver, objective, problem, memory, x, held) if memory is not None else None
     if minimize == "memory":
         objective.Clear()
         for var, coef in mem.terms:

@@ -20,7 +20,9 @@ GPT_CASES = {
     # name: (mesh shape, constraints)
     "free": (None, None),
     "ddp": (None, {"inputs": IN2, "*": ["R"]}),
-    "fsdp": (None, {"inputs": IN2, "*": ["S(0)"]}),
+    # storage sharded, each consumer gathering (FSDP), or one gather per step kept (ZeRO-2)
+    "fsdp": (None, {"inputs": IN2, "*": ["S(0)"], "working": ["S(0)"]}),
+    "zero2": (None, {"inputs": IN2, "*": ["S(0)"], "working": ["R"]}),
     "megatron": (None, {"inputs": [["R"], ["R"]], "*.qkv.*": ["S(0)"], "*.fc.*": ["S(0)"],
                         "*.proj.weight": ["S(1)"], "*.out.weight": ["S(1)"]}),
 }
@@ -36,7 +38,7 @@ GPT_CASES_2D = {
 MLP_CASES = {
     "free": (None, None),
     "ddp": (None, {"inputs": IN2, "*": ["R"]}),
-    "fsdp": (None, {"inputs": IN2, "*": ["S(0)"]}),
+    "fsdp": (None, {"inputs": IN2, "*": ["S(0)"], "working": ["S(0)"]}),
     "megatron": (None, {"inputs": [["R"], ["R"]], "layers.0.*": ["S(0)"], "layers.1.weight": ["S(1)"]}),
 }
 MLP_CASES_2D = {
@@ -58,11 +60,23 @@ def _model(kind: str):
     return model, inputs
 
 
+def _working(model, inputs, placements):
+    """An ``allow`` pinning every parameter's working placement (what its consumers read)."""
+    from autoshard.plan import parse_placements
+
+    want = tuple(parse_placements(placements, len(placements)))
+    names = {node.name for _, node in autoshard.trace(model, inputs).params}  # same names when compiled
+    return lambda node, s: node.op != "placeholder" or node.name not in names or tuple(s.outputs[0]) == want
+
+
 def one_case(kind: str, mesh_shape, constraints, lr: float = 0.1) -> dict:
     model, inputs = _model(kind)
     ref = copy.deepcopy(model)
     cluster = autoshard.Cluster.local(dist.get_world_size(), mesh_shape)
-    dm = autoshard.compile(model, cluster, inputs, constraints=constraints)
+    constraints = dict(constraints) if constraints else None
+    working = constraints.pop("working", None) if constraints else None
+    allow = _working(model, inputs, working) if working else None
+    dm = autoshard.compile(model, cluster, inputs, constraints=constraints, allow=allow)
     opt = torch.optim.SGD(dm.parameters(), lr=lr)
     loss = dm(*dm.shard_inputs(*inputs))
     loss.backward()
@@ -76,6 +90,7 @@ def one_case(kind: str, mesh_shape, constraints, lr: float = 0.1) -> dict:
     for name, p in dm.named_parameters():
         err["param"] = max(err["param"], (p.full_tensor() - ref.get_parameter(name)).abs().max().item())
     err["storage"] = dict(dm.plan.storage)
+    err["gathered_once"] = len(dm._working)  # parameters computed with a kept working copy
     err["inputs"] = list(dm.plan.inputs)
     err["is_dtensor"] = all(isinstance(p, torch.distributed.tensor.DTensor) for p in dm.parameters())
     err["names"] = sorted(n for n, _ in dm.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
@@ -89,7 +104,8 @@ def run_cases(cases: dict[str, tuple]) -> dict:
 
 def saved_bytes_case(fraction) -> dict:
     """Train one step of a small GPT under ``memory_limit`` and measure the bytes its forward
-    saves for backward on this rank (distinct storages, parameters and inputs excluded)."""
+    saves for backward on this rank (distinct storages, parameters, their working copies and
+    inputs excluded)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=128, seq=64, hidden=128, heads=4, layers=2))
     inputs = model.example_inputs(16, generator=torch.Generator().manual_seed(1))
@@ -104,7 +120,9 @@ def saved_bytes_case(fraction) -> dict:
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in exclude:
+        # parameters' working copies (gathered once per step) are state, not activations
+        working = {w.untyped_storage().data_ptr() for _, w in dm.__dict__["_working_cache"].values()}
+        if ptr not in exclude and ptr not in working:
             storages[ptr] = t.untyped_storage().nbytes()
         return t
 

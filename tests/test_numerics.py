@@ -41,6 +41,9 @@ def _check(results, name, pins):
         assert r["is_dtensor"] and r["names"], (rank, name)
     storage = results[0][name]["storage"]
     for pattern, placements in (pins or {}).items():
+        if pattern == "working":  # FSDP gathers at each consumer; ZeRO-2 once per step, kept
+            assert (results[0][name]["gathered_once"] > 0) == (placements != list(pins["*"])), (name, results[0][name])
+            continue
         if pattern == "inputs":
             assert results[0][name]["inputs"] == ["(" + ",".join(p) + ")" for p in placements]
             continue
@@ -83,6 +86,7 @@ def test_saved_activations_measured_against_prediction(recompute_runs):
     for free, tight in recompute_runs:
         # without recompute the bytes saved for backward are what the plan predicts
         assert free["measured"] == pytest.approx(free["predicted"], rel=0.10), free
-        # recomputing saves less, as planned (the prediction there is known to run low: see README)
+        # with partial recompute too (issue 4: within 10%), and less than without
+        assert tight["measured"] == pytest.approx(tight["predicted"], rel=0.10), tight
         assert tight["measured"] < free["measured"]
         assert tight["predicted"] < free["predicted"]

@@ -50,7 +50,9 @@ def test_gpt2_plan_basic(gpt2):
     assert cluster.world_size == 16 and plan.mesh_shape == (2, 8)
     assert plan.solver["status"] in ("optimal", "feasible")
     assert 0 < plan.step_time < math.inf
-    assert plan.step_time == pytest.approx(plan.compute_time + plan.comm_time + plan.breakdown["recompute"], rel=1e-12)
+    assert plan.step_time == pytest.approx(plan.compute_time + plan.breakdown["exposed_comm"]
+                                           + plan.breakdown["recompute"], rel=1e-12)
+    assert 0 <= plan.breakdown["exposed_comm"] <= plan.comm_time
     assert plan.compute_time > 0 and plan.comm_time >= 0
     assert plan.solver["objective"] == pytest.approx(plan.step_time, rel=1e-6)
     assert 0 < plan.peak_memory < math.inf
