@@ -27,12 +27,15 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from autoshard.errors import TraceError
+
 ATTENTION = "autoshard_sdpa"
 
 
 def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     if attention_mask is not None:
-        raise NotImplementedError(f"{ATTENTION} attention takes no mask (padding is not supported)")
+        raise TraceError(f"{ATTENTION} attention takes no mask: padding is not supported; pass unpadded "
+                         "batches (no attention_mask) to the zoo's transformers models")
     groups = getattr(module, "num_key_value_groups", 1)
     # GQA by repeating K/V heads, as transformers' eager path does. SDPA's enable_gqa would keep the
     # repeated copies out of memory, but is not yet checked against autoshard's attention rule.
