@@ -54,7 +54,7 @@ from autoshard.passes.coarsen import LAYER_KEY
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 
 
-@dataclass
+@dataclass(eq=False)  # edges are keyed by identity (solve.py maps each to its cost terms)
 class Edge:
     src: fx.Node                 # producer (decision node)
     src_out: int                 # which output of the producer

@@ -30,9 +30,11 @@ class _MemoryRows:
     terms: list        # the peak as [(var, bytes)]
 
 
-def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: list) -> _MemoryRows:
+def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: list,
+                 reshard_terms: dict) -> _MemoryRows:
     """The memory block of DESIGN.md's ILP (formulas in solver/memory.py); ``held``: the working
-    copies' [(var, bytes)]."""
+    copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds)]
+    (before overlap), for charging a recomputed node's input moves again."""
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
     r = {v: solver.NumVar(1, 1, "") if mm.recompute_all else solver.BoolVar("") for v in mm.recomputable}
     keep = {v: solver.BoolVar("") for v in mm.candidates}
@@ -185,12 +187,14 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
             objective.SetCoefficient(var, objective.GetCoefficient(var) + c)
 
     held = []  # a parameter's working copy, when its working placement is not its storage
+    reshard_terms: dict = {}  # edge -> [(var, microseconds)]
     for e in problem.edges:
         if e.aligned:
             continue
         terms, flows = _edge_cost(problem, e, x, reshard)
         for var, c in terms:
             charge(e, var, c * US)
+            reshard_terms.setdefault(e, []).append((var, c * US))
         if e.kind == "gather" and not flows:  # one side has one placement: the copy is linear in x
             for var, (q, p) in _pairs(problem, e, x):
                 if q != p:
@@ -202,6 +206,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
                          for (q, p), var in y.items() if q != p]
             for (q, p), var in y.items():
                 charge(e, var, r[q, p] * US)
+                reshard_terms.setdefault(e, []).append((var, r[q, p] * US))
             for q, ss in src.items():
                 solver.Add(solver.Sum([y[q, p] for p in dst]) == solver.Sum([x[e.src, s] for s in ss]))
             for p, ss in dst.items():
@@ -218,7 +223,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         objective.SetCoefficient(exposed, 1.0)
         solver.Add(exposed >= solver.Sum([var * c for var, c in terms]) - solver.Sum([var * c for var, c in compute]))
 
-    mem = _memory_rows(solver, objective, problem, memory, x, held) if memory is not None else None
+    mem = _memory_rows(solver, objective, problem, memory, x, held, reshard_terms) if memory is not None else None
     if minimize == "memory":
         objective.Clear()
         for var, coef in mem.terms:
