@@ -14,7 +14,7 @@ from autoshard import _torch, costmodel
 from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, ConstraintError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
-from autoshard.passes.coarsen import LAYER_KEY, repeated_layers
+from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
 from autoshard.passes.rewrite import local_joint, split
 from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
 from autoshard.passes.trace import TracedModel, trace as _trace
@@ -23,7 +23,7 @@ from autoshard.precision import MixedPrecision, cast_module, policy_fingerprint
 from autoshard.progress import Progress
 from autoshard.runtime import DistributedModule
 from autoshard.solver.formulation import Storage, formulate, pool_blocks, share
-from autoshard.solver.memory import memory_model, predicted_memory, timeline
+from autoshard.solver.memory import memory_model, predicted_memory, recompute_resharding, timeline
 from autoshard.solver.solve import solve
 
 OPTIMIZER_STATE_PER_PARAM_BYTE = 2.0  # Adam/AdamW: two moments in the parameter's dtype
@@ -54,16 +54,20 @@ def _pl(p) -> str:
     return "(" + ",".join(placement_str(x) for x in p) + ")"
 
 
-def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mixed_precision=None):
+def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mixed_precision=None,
+             progress: Progress | None = None):
+    progress = progress or Progress(False)
     if isinstance(model_or_traced, TracedModel):
         traced = model_or_traced
         if mixed_precision is not None and getattr(traced, "mixed_precision", None) != mixed_precision:
             raise ConstraintError("this model was traced without the given mixed_precision policy (or with "
                                   "another); pass mixed_precision to autoshard.trace instead")
     else:
-        traced = trace(model_or_traced, example_inputs, mixed_precision=mixed_precision)
+        with progress.stage("tracing"):
+            traced = trace(model_or_traced, example_inputs, mixed_precision=mixed_precision)
     mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
-    fallbacks = find_strategies(traced.gm, mesh, strict=strict)
+    with progress.stage("strategies"):
+        fallbacks = find_strategies(traced.gm, mesh, strict=strict)
     return traced, fallbacks
 
 
@@ -71,19 +75,21 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
          memory_limit: float | None = None, recompute: bool | str = True, share_layers: bool = True,
          strict: bool = False, time_limit: float = 120.0, progress: bool | None = None,
          allow=None, mixed_precision: MixedPrecision | None = None, grad_accumulation: int = 1,
-         meshes=None) -> Plan:
+         meshes=None, followers: bool = True) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
     ``meshes="auto"`` also plans on the logical meshes of :func:`autoshard.meshes.candidates`
     (other grids over the same devices, priced by the links each dim spans) and keeps the fastest;
-    a list of shapes tries those; ``plan.mesh_shape`` records the one chosen. Default: the
-    cluster's own mesh only.
+    (3-D ones pruned to data parallelism on their outer dim); ``"auto-2d"`` skips the 3-D ones; a
+    list of shapes tries those; ``plan.mesh_shape`` records the one chosen. Default: the cluster's
+    own mesh only.
 
     ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
     predicted peak; ``recompute=False`` forbids recomputing activations, ``recompute="full"``
     recomputes every activation it can (full activation checkpointing); ``share_layers=False``
-    gives every repeated layer its own decisions (the exact, larger problem); ``progress`` shows
+    gives every repeated layer its own decisions and ``followers=False`` every view and elementwise
+    op (passes/coarsen.py; both off: the exact, larger problem); ``progress`` shows
     each stage on stderr (default: when stderr is a terminal). ``allow(node, strategy) -> bool``
     limits the strategies the solver may pick (how :mod:`autoshard.baselines` pins hand-written
     strategies on the same problem). ``mixed_precision`` (a :class:`MixedPrecision`) plans the
@@ -98,15 +104,15 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
         return logical.plan_over(plan, traced, cluster, meshes, constraints=constraints, memory_limit=memory_limit,
                                  recompute=recompute, share_layers=share_layers, strict=strict,
                                  time_limit=time_limit, progress=progress, allow=allow,
-                                 mixed_precision=mixed_precision, grad_accumulation=grad_accumulation)
+                                 mixed_precision=mixed_precision, grad_accumulation=grad_accumulation,
+                                 followers=followers)
     t0 = time.perf_counter()
     progress = Progress(progress)
-    with progress.stage("tracing and strategies"):
-        traced, fallbacks = _prepare(model, cluster, example_inputs, strict, mixed_precision)
+    traced, fallbacks = _prepare(model, cluster, example_inputs, strict, mixed_precision, progress)
     t1 = time.perf_counter()
-    with progress.stage("formulating and solving"):
-        problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
-                                          share_layers, allow, **_accumulation(grad_accumulation))
+    problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
+                                      share_layers, allow, **_accumulation(grad_accumulation),
+                                      followers=followers, progress=progress)
     t2 = time.perf_counter()
     result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
     result.stats = {"trace_s": traced.trace_time if model is not traced else 0.0,
@@ -118,20 +124,24 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
 
 
 def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True, allow=None,
-           grad_accumulation: int = 1):
+           grad_accumulation: int = 1, followers: bool = True, progress: Progress | None = None):
     if recompute not in (True, False, "full"):
         raise ConstraintError(f"recompute must be True, False or 'full', not {recompute!r}")
-    layers = repeated_layers(traced)  # also marks each node's block copy (the overlap rows' blocks)
-    problem = formulate(traced, cluster, constraints, allow, micro_batches=grad_accumulation)
-    limit = float(cluster.memory_limit if memory_limit is None else memory_limit)
-    mm = memory_model(traced, problem, cluster, limit, OPTIMIZER_STATE_PER_PARAM_BYTE)
-    if not recompute:
-        mm.recomputable = []
-    mm.recompute_all = recompute == "full"
-    rep = {n: r for n, r in layers.items()
-           if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
-    pool_blocks(problem, rep)
-    small, small_mm, expand = share(problem, mm, rep)
+    progress = progress or Progress(False)
+    with progress.stage("formulating"):
+        layers = repeated_layers(traced)  # also marks each node's block copy (the overlap rows' blocks)
+        if followers:
+            mark_followers(traced)
+        problem = formulate(traced, cluster, constraints, allow, micro_batches=grad_accumulation, followers=followers)
+        limit = float(cluster.memory_limit if memory_limit is None else memory_limit)
+        mm = memory_model(traced, problem, cluster, limit, OPTIMIZER_STATE_PER_PARAM_BYTE)
+        if not recompute:
+            mm.recomputable = []
+        mm.recompute_all = recompute == "full"
+        rep = {n: r for n, r in layers.items()
+               if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
+        pool_blocks(problem, rep)
+        small, small_mm, expand = share(problem, mm, rep)
     shared_nodes = (len(problem.nodes), len(small.nodes))
 
     def run(limit_, minimize="time"):
@@ -143,12 +153,14 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         return sol
 
     try:
-        solution = run(limit)
+        with progress.stage("solving"):
+            solution = run(limit)
         solution.timeline = timeline(mm, traced.gm.graph, solution.choice, solution.recompute)
         return problem, solution, limit
     except InfeasibleError:
         try:
-            least = run(float("inf"), "memory")
+            with progress.stage("finding the least memory any plan needs"):
+                least = run(float("inf"), "memory")
         except InfeasibleError:
             raise InfeasibleError("the constraints admit no plan at any memory limit: the pinned placements "
                                   "conflict (check the parameter patterns and 'inputs' given)") from None
@@ -156,7 +168,8 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
         top = max(least.memory, key=least.memory.get)
         what = {"state": "parameters, gradients and optimizer state", "activations": "activations saved for backward",
-                "transient": "the largest single op's working set"}[top]
+                "transient": "the largest single op's working set",
+                "recomputed": "values recomputed in backward"}[top]
         raise InfeasibleError(
             f"no plan fits {_gib(limit)} per device; the smallest peak any plan reaches is "
             f"{_gib(need)} ({parts}), dominated by {what}. Raise memory_limit to at least "
@@ -179,7 +192,7 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
         if e.kind != "gather":  # graph edges; a storage -> working gather shows at its parameter
             edges.append((e.src.name, where))
         calls = 1 if e.kind in ("grad", "gather") else problem.micro_batches  # per optimizer step
-        for c in costmodel.resharding(cluster, src, dst, e.nbytes):
+        for c in costmodel.resharding(cluster, src, dst, e.moved_bytes(src, dst)):
             entry = {"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time * calls,
                      "src": e.src.name, "exposed": c.time * calls, "calls": calls, "role": e.kind}
             comm.setdefault(where, []).append(entry)
@@ -189,6 +202,8 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
     # spread over its collectives in proportion to their time
     block_compute: dict[object, float] = {}
     for n in problem.nodes:
+        if isinstance(n, Storage):  # the optimizer step runs after backward: it hides nothing
+            continue
         block_compute[problem.block.get(n)] = block_compute.get(problem.block.get(n), 0.0) + \
             problem.cost[n][solution.choice[n]]
     for b, entries in hideable.items():
@@ -214,10 +229,13 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
     exposed = sum(c["exposed"] for cs in comm.values() for c in cs)
     # itemized so the parts add up to the peak: the ILP's "state" is params+grads+optimizer+inputs
     memory = {**_state_detail(traced, choice, cluster, problem.storage, problem.micro_batches),
-              "activations": solution.memory["activations"],
+              "activations": solution.memory["activations"], "recomputed": solution.memory["recomputed"],
               "transient": solution.memory["transient"]}
     peak = sum(memory.values())
-    step = compute + exposed + recompute_time
+    # the optimizer step on each parameter's storage shard; recomputed nodes' inputs moved again
+    optimizer = sum(problem.cost[st][solution.choice[st]] for st in problem.storage.values())
+    recompute_comm = recompute_resharding(problem, cluster, solution.choice, solution.recompute)
+    step = compute + exposed + recompute_time + recompute_comm + optimizer
     return Plan(
         fingerprint=traced.fingerprint, cluster=cluster.to_json(), mesh_shape=tuple(cluster.mesh_shape),
         mesh_dim_names=tuple(cluster.mesh_dim_names), nodes=nodes,
@@ -230,7 +248,8 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
                 "variables": solution.num_variables, "constraints": solution.num_constraints},
         edges=edges, memory_limit=limit, mfu=_mfu(traced, cluster, step / problem.micro_batches),
         memory_timeline=list(solution.timeline),
-        breakdown={"compute": compute, "comm": comm_time, "exposed_comm": exposed, "recompute": recompute_time},
+        breakdown={"compute": compute, "comm": comm_time, "exposed_comm": exposed, "recompute": recompute_time,
+                   "recompute_comm": recompute_comm, "optimizer": optimizer},
         grad_accumulation=problem.micro_batches)
 
 
@@ -294,7 +313,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
             plan: Plan | None = None, memory_limit: float | None = None, recompute: bool = True,
             share_layers: bool = True, strict: bool = False, time_limit: float = 120.0,
             mixed_precision: MixedPrecision | None = None, grad_accumulation: int | None = None,
-            allow=None) -> DistributedModule:
+            allow=None, followers: bool = True) -> DistributedModule:
     """Plan (unless ``plan`` is given) and build this rank's module. Call on every rank of an
     initialized process group whose world size is ``cluster.world_size``.
 
@@ -329,7 +348,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         if dist.get_rank() == 0:
             try:
                 problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
-                                                  share_layers, allow, **_accumulation(grad_accumulation))
+                                                  share_layers, allow, **_accumulation(grad_accumulation),
+                                                  followers=followers)
                 box = [_make_plan(traced, cluster, problem, solution, fallbacks, limit).to_json()]
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
                 box = [exc]

@@ -17,11 +17,15 @@ fsdp       Shard(any dim)               Replicate (all-gathered per use)    Shar
 tp         Shard(any) if >= 2-D, else   Shard(any) if >= 2-D (colwise or    Replicate
            Replicate                    rowwise: the solver picks), else
                                         any
+data       Replicate or Shard(any)      Replicate                           Shard(0) (batch)
+free       any                          any                                 any
 =========  ===========================  ==================================  =====================
 
-On dp and fsdp dims an op's outputs are split along the batch (dim 0) or not at all (Replicate,
-Partial): data parallelism, no sequence or feature splits; on AxoNN's x and y dims they are not
-split along the batch; views are exempt (a transposed activation's batch dim moves).
+"data" is dp or fsdp, per parameter, as the solver likes; "free" leaves a dim to the solver (the
+pruned 3-D candidates of :mod:`autoshard.meshes` use ("data", "free", "free")). On dp, fsdp and
+data dims an op's outputs are split along the batch (dim 0) or not at all (Replicate, Partial):
+data parallelism, no sequence or feature splits; on AxoNN's x and y dims they are not split
+along the batch; views are exempt (a transposed activation's batch dim moves).
 
 A parameter that no strategy can place so (a dim that does not divide by the mesh size) falls
 back to Replicate on that dim, as FSDP's padding or Megatron's replicated small layers would; on
@@ -145,25 +149,31 @@ def logical_meshes(baseline: str, cluster: Cluster) -> list[tuple[tuple[int, ...
 
 # --- the allow predicate -----------------------------------------------------------------------
 def _stored_ok(role: str, p, nd: int) -> bool:
+    if role in ("free", "data"):
+        return role == "free" or isinstance(p, (Replicate, Shard))
     if role == "dp" or (role == "tp" and nd < 2):
         return isinstance(p, Replicate)
     return isinstance(p, Shard)
 
 
 def _consumed_ok(role: str, p, nd: int) -> bool:
-    if role in ("dp", "fsdp"):
+    if role == "free":
+        return True
+    if role in ("dp", "fsdp", "data"):
         return isinstance(p, Replicate)
     return nd < 2 or isinstance(p, Shard)
 
 
 def _input_ok(role: str, p) -> bool:
-    return isinstance(p, Shard) and p.dim == 0 if role in ("dp", "fsdp") else isinstance(p, Replicate)
+    if role == "free":
+        return True
+    return isinstance(p, Shard) and p.dim == 0 if role in ("dp", "fsdp", "data") else isinstance(p, Replicate)
 
 
 def _batch_ok(role: str, p, grid: bool) -> bool:
     """Data-parallel dims split the batch (dim 0) and nothing else; a tensor grid's dims (AxoNN's
     x, y) leave the batch to the data dims."""
-    if not isinstance(p, Shard):
+    if not isinstance(p, Shard) or role == "free":
         return True
     if role == "tp":
         return not grid or p.dim in (1, -1) or p.dim >= 2

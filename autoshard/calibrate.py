@@ -13,9 +13,12 @@ compute    fp32 ``A @ B`` at a few sizes n (CPU 256..1024, GPU 2048..8192): 2 n^
            best size's rate is ``peak_flops["float32"]`` (on GPUs also "tf32" and "bfloat16").
 memory     ``dst.copy_(src)`` (bytes = read + write = 2 x size) and ``add(a, b, out=c)``
            (3 x size) on large tensors; the better rate is ``memory_bandwidth``.
-launch     median time of a one-element in-place add: ``launch_overhead``.
+launch     median time of a one-element in-place add: ``launch_overhead``; the same add on a
+           replicated DTensor, less that: ``calibration["dtensor_op_overhead"]`` (what each op of
+           an optimizer step over the emitted module's DTensor parameters pays on top).
 links      per mesh dim (a 1-D mesh: the whole group), each of all_reduce, all_gather,
-           reduce_scatter and all_to_all at 6 sizes from 64 KiB to 16 MiB (``n`` as in
+           reduce_scatter and all_to_all (a DTensor Shard(0) -> Shard(1), what the runtime
+           issues) at 6 sizes from 64 KiB to 16 MiB (``n`` as in
            :meth:`Cluster.collective_time`), sampled round-robin over the sizes, fitted to
            ``t = a + b n`` by least squares weighted by 1/t (:func:`fit_line`).
 ========== ===================================================================================
@@ -26,13 +29,19 @@ A fitted line becomes a ring's (alpha, B) with the formula's factors (p ranks on
     all_gather, reduce_scatter,     t =  (p-1) alpha +  (p-1)/p n/B  ->  alpha = a / (p-1),     B =  (p-1)/p / b
     all_to_all
 
-The :class:`LinkSpec` stored for a mesh dim is the **all-reduce** fit (the collective data
-parallelism and tensor parallelism lean on most), with ``efficiency = 1``: B is already an achieved
-rate. The measured figures are achieved rates too, so the DeviceSpec has ``compute_efficiency =
+Each kind keeps its own fit, and :meth:`Cluster.collective_time` prices each kind by it on that
+mesh dim, since the kinds do not keep the ring's ratios on every backend (gloo runs a
+reduce-scatter as an all-reduce: it costs an all-reduce, not half of one). The :class:`LinkSpec`
+stored for a mesh dim is the **all-reduce** fit (what a kind without a fit, or a logical mesh that
+regroups the ranks, is priced by), with ``efficiency = 1``: B is already an achieved rate. The
+measured figures are achieved rates too, so the DeviceSpec has ``compute_efficiency =
 memory_efficiency = 1``. Every fit (all four kinds, with its sizes, times and error) and every raw
 figure is kept in ``cluster.calibration``, a dict that travels with :meth:`Cluster.to_json`.
 A negative fitted intercept (noise on a fast link) is clamped to 0 and the line refitted through
-the origin; the fit then says ``"clamped": true``.
+the origin; the fit then says ``"clamped": true``. The sizes are then run once each, in turn
+(``"mixed"``), and what that costs beyond the line is spread over the calls and added to the
+intercept (``"switch"``, :func:`size_switch_latency`): the collectives of a step change size
+from call to call, which a line fitted on repeated same-size calls does not see.
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ SAMPLE_S = {"compute": 20e-3, "comm": 5e-3}
 REPEATS = 9
 WARMUP = 3
 
-__all__ = ["calibrate", "fit_line", "link_from_fit", "time_collective", "MESSAGE_SIZES"]
+__all__ = ["calibrate", "fit_line", "link_from_fit", "size_switch_latency", "time_collective", "MESSAGE_SIZES"]
 
 
 # --- timing --------------------------------------------------------------------------------------
@@ -130,8 +139,15 @@ def _collective(kind: str, nbytes: int, group, device: torch.device) -> tuple[Ca
     if kind == "all_reduce":
         return (lambda: dist.all_reduce(full, group=group)), numel * 4
     if kind == "all_to_all":
-        out = torch.empty_like(full)
-        return (lambda: dist.all_to_all_single(out, full, group=group)), numel * 4
+        # as the emitted module runs it: a DTensor Shard(0) -> Shard(1) (on CPU process groups
+        # DTensor gathers and chunks instead of calling all_to_all, at an all-gather's cost)
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        numel = max(p * p, numel // (p * p) * p * p)
+        mesh = DeviceMesh.from_group(group, device.type)
+        dt = DTensor.from_local(torch.ones(p, numel // p, device=device), mesh, [Shard(0)], run_check=False)
+        return (lambda: dt.redistribute(mesh, [Shard(1)]).to_local()), numel * 4
     part = torch.ones(numel // p, dtype=torch.float32, device=device)
     if kind == "all_gather":
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -180,6 +196,16 @@ def fit_line(sizes: Sequence[float], times: Sequence[float]) -> dict:
                            f"{list(times)}): the machine was too noisy to calibrate; retry on an idle machine")
     err = math.sqrt(sum(((a + b * n) / t - 1) ** 2 for n, t in zip(sizes, times)) / len(sizes))
     return {"a": a, "b": b, "clamped": clamped, "rms_rel_err": err}
+
+
+def size_switch_latency(sizes: Sequence[float], mixed: float, a: float, b: float) -> float:
+    """Seconds each call pays on top of the line ``a + b n`` when the sizes change from call to
+    call: ``max(0, (mixed - sum_i (a + b n_i)) / len(sizes))``, ``mixed`` the time of one call of
+    each size in turn. The line is fitted on a size repeated back to back; a training step's
+    collectives change size every call, and gloo pays for each change (measured on this host
+    under load: six all-reduces of mixed sizes took 3x the sum of their same-size times). The
+    priced intercept is ``a + switch``."""
+    return max(0.0, (mixed - sum(a + b * n for n in sizes)) / len(sizes))
 
 
 def _factors(kind: str, p: int) -> tuple[float, float]:
@@ -233,6 +259,16 @@ def _launch_overhead(device: torch.device, group) -> float:
     return _agree([t], group, device)[0]
 
 
+def _dtensor_overhead(device: torch.device, group, launch: float) -> float:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    x = DTensor.from_local(torch.zeros(1, device=device), mesh, [Replicate()], run_check=False)
+    t = _median_time(lambda: x.add_(1.0), device, group, inner=200)
+    return max(0.0, _agree([t], group, device)[0] - launch)
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -274,7 +310,9 @@ def _measure_dim(group, p: int, device: torch.device, sizes: Sequence[int], repe
             fn()
         fns, actual = zip(*(_collective(kind, n, group, device) for n in sizes))
         times = _median_times(fns, device, group, repeats=repeats)
-        fits[kind] = {"sizes": list(actual), "times": times}
+        # one call of each size in turn, as a training step issues them (see size_switch_latency)
+        (mixed,) = _median_times([lambda: [fn() for fn in fns]], device, group, repeats=repeats)
+        fits[kind] = {"sizes": list(actual), "times": times, "mixed": mixed}
     return fits
 
 
@@ -321,6 +359,7 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
         torch.backends.cuda.matmul.allow_tf32 = tf32
     memory = _memory_rates(device, group, COPY_BYTES[device.type])
     launch = _launch_overhead(device, group)
+    dtensor = _dtensor_overhead(device, group, launch)
     capacity = _device_memory(device, ranks_per_node, group)
 
     # Links: per mesh dim, on this rank's slice; then every rank takes the slowest slice's times.
@@ -329,7 +368,7 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
         raw.append(_measure_dim(sub, shape[d], device, message_sizes, repeats) if shape[d] > 1 else None)
         if sub is not None and sub is not group:
             dist.destroy_process_group(sub)
-    flat = [t for r in raw if r for kind in COLLECTIVES for t in r[kind]["times"]]
+    flat = [t for r in raw if r for kind in COLLECTIVES for t in [*r[kind]["times"], r[kind]["mixed"]]]
     flat = iter(_agree(flat, group, device))
     links, dims = [], []
     for d, r in enumerate(raw):
@@ -340,9 +379,12 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
         fits = {}
         for kind in COLLECTIVES:
             times = [next(flat) for _ in r[kind]["times"]]
+            mixed = next(flat)
             fit = fit_line(r[kind]["sizes"], times)
-            link = link_from_fit(kind, shape[d], fit["a"], fit["b"], f"calibrated {dist.get_backend(group)} {kind}")
-            fits[kind] = {"sizes": r[kind]["sizes"], "times": times, **fit,
+            switch = size_switch_latency(r[kind]["sizes"], mixed, fit["a"], fit["b"])
+            link = link_from_fit(kind, shape[d], fit["a"] + switch, fit["b"],
+                                 f"calibrated {dist.get_backend(group)} {kind}")
+            fits[kind] = {"sizes": r[kind]["sizes"], "times": times, **fit, "mixed": mixed, "switch": switch,
                           "latency": link.latency, "bandwidth": link.bandwidth}
         ar = fits["all_reduce"]
         links.append(LinkSpec(f"calibrated {dist.get_backend(group)} (p={shape[d]}, all_reduce fit)",
@@ -365,8 +407,8 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
         "ranks_per_node": ranks_per_node, "torch": torch.__version__,
         "threads_per_rank": torch.get_num_threads(),
         "matmul_flops": {k: {str(n): v for n, v in rates.items()} for k, rates in matmul.items()},
-        "memory_bandwidth": memory, "launch_overhead": launch, "mesh_dims": dims,
-        "link_is": "the all_reduce fit of each mesh dim",
+        "memory_bandwidth": memory, "launch_overhead": launch, "dtensor_op_overhead": dtensor, "mesh_dims": dims,
+        "link_is": "the all_reduce fit of each mesh dim; every kind is priced by its own fit",
     }
     cluster = Cluster(shape, names, spec, links, ranks_per_node=min(ranks_per_node, world),
                       calibration=calibration)

@@ -261,7 +261,9 @@ class Cluster:
     ``ranks_per_node`` says how many ranks share a host (presets: the GPUs per node; default: all
     ranks on one host); it does not change any cost here and travels with the JSON.
     ``calibration``: what :meth:`calibrate` measured (raw figures and every per-collective fit),
-    as a JSON-able dict, or None; it travels with the JSON (only when present) and costs nothing.
+    as a JSON-able dict, or None; it travels with the JSON (only when present). On a mesh dim
+    whose size is the calibrated one, each collective kind with a fit of its own is priced by
+    that fit (:meth:`collective_time`); the dim's LinkSpec prices the rest.
     """
 
     def __init__(self, mesh_shape: Sequence[int] | int, mesh_dim_names: Sequence[str] | None = None,
@@ -319,6 +321,7 @@ class Cluster:
         if calibration is not None and not isinstance(calibration, dict):
             raise ClusterError(f"calibration must be a dict (JSON-able) or None, got {type(calibration).__name__}")
         self.calibration: dict | None = calibration
+        self._fitted = _fitted_links(calibration, shape, self.levels)
 
     # --- constructors ------------------------------------------------------------------------
     @classmethod
@@ -348,7 +351,8 @@ class Cluster:
             device = replace(device, memory=device.memory * saved.ranks_per_node / world_size)
         # local processes talk over gloo, and the emitted module waits on each collective in turn
         device = replace(device, comm_overlap=0.0)
-        return cls(shape, mesh.mesh_dim_names, device, mesh.links, ranks_per_node=world_size)
+        return cls(shape, mesh.mesh_dim_names, device, mesh.links, ranks_per_node=world_size,
+                   calibration=mesh.calibration)
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1) -> Cluster:
@@ -379,9 +383,11 @@ class Cluster:
         on every dim (an upper bound)."""
         shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
         if shape == self.mesh_shape:
+            # the same ranks on every dim: only the names (the roles a baseline gives) change, so
+            # the calibration's per-dim fits still describe them (matched by position, not name)
             names = self.mesh_dim_names if mesh_dim_names is None else mesh_dim_names
             return Cluster(shape, names, self.device, self.links, ranks_per_node=self.ranks_per_node,
-                           levels=self.levels)
+                           levels=self.levels, calibration=self.calibration)
         levels = _map_levels(shape, [lv for dim in reversed(self.levels) for lv in dim])
         if levels is None:  # the new grid does not factor over the hardware levels: bound it
             slowest = min(self.links, key=lambda l: (l.effective_bandwidth, -l.latency))
@@ -442,6 +448,12 @@ class Cluster:
             all_to_all = sum_d c_d * (n/P/B_d + alpha_d),   c_d = (p_d - 1) * prod(p_e, e faster than d)
 
         which is the flat formula when all links are equal. p == 1 or n == 0 -> 0.0.
+
+        On a calibrated mesh dim (:class:`Cluster`'s ``calibration``), each of these terms uses
+        the (alpha, B) fitted for its own kind there, so it reproduces that kind's measured line
+        ``a + b n``: gloo, for one, runs a reduce-scatter as an all-reduce, at an all-reduce's
+        cost, not half of it. A hierarchical all-reduce's pieces take the reduce-scatter and
+        all-gather fits of their dims.
         """
         if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")
@@ -455,12 +467,14 @@ class Cluster:
             return 0.0
         if kind == "all_to_all":
             world, inner, total = math.prod(p for p, _, _ in levels), 1, 0.0
-            for p, link, _ in levels:
+            for p, link, d in levels:
+                link = self._fitted.get((d, kind), link)
                 peers = (p - 1) * inner
                 total += peers * (nbytes / world / link.effective_bandwidth + link.latency)
                 inner *= p
             return total
-        return _hierarchical(kind, float(nbytes), [(p, link) for p, link, _ in levels])
+        return _hierarchical(kind, float(nbytes), [
+            (p, lambda k, d=d, link=link: self._fitted.get((d, k), link)) for p, link, d in levels])
 
     def _resolve_dims(self, mesh_dims: int | str | Sequence[int | str]) -> list[int]:
         items = [mesh_dims] if isinstance(mesh_dims, (int, str)) else list(mesh_dims)
@@ -554,14 +568,33 @@ def _map_levels(shape, physical: list[tuple[int, LinkSpec]]):
     return list(reversed(out))
 
 
-def _hierarchical(kind: str, n: float, levels: list[tuple[int, LinkSpec]]) -> float:
-    """all_reduce / all_gather / reduce_scatter over ``levels`` (fastest first), recursively."""
+def _fitted_links(calibration: dict | None, shape: tuple[int, ...], levels) -> dict[tuple[int, str], LinkSpec]:
+    """{(mesh dim, kind): the ring LinkSpec of that kind's calibrated fit} for every dim that
+    spans exactly the ranks calibrated on it (one hardware level of the calibrated size)."""
+    dims = (calibration or {}).get("mesh_dims")
+    if not isinstance(dims, list) or len(dims) != len(shape):
+        return {}
+    out = {}
+    for d, dim in enumerate(dims):
+        if not (isinstance(dim, dict) and dim.get("measured") and dim.get("size") == shape[d]
+                and len(levels[d]) == 1):
+            continue
+        for kind, fit in (dim.get("fits") or {}).items():
+            if kind in COLLECTIVES and "latency" in fit and "bandwidth" in fit:
+                out[d, kind] = LinkSpec(f"calibrated {kind}", latency=fit["latency"], bandwidth=fit["bandwidth"],
+                                        efficiency=1.0)
+    return out
+
+
+def _hierarchical(kind: str, n: float, levels: list) -> float:
+    """all_reduce / all_gather / reduce_scatter over ``levels`` (fastest first), recursively;
+    a level is (ranks, kind -> the LinkSpec that prices that kind there)."""
     (p, link), rest = levels[0], levels[1:]
     if not rest:
-        return _ring(kind, n, p, link)
+        return _ring(kind, n, p, link(kind))
     if kind == "all_reduce":
-        return (_ring("reduce_scatter", n, p, link) + _hierarchical("all_reduce", n / p, rest)
-                + _ring("all_gather", n, p, link))
+        return (_ring("reduce_scatter", n, p, link("reduce_scatter")) + _hierarchical("all_reduce", n / p, rest)
+                + _ring("all_gather", n, p, link("all_gather")))
     if kind == "reduce_scatter":
-        return _ring("reduce_scatter", n, p, link) + _hierarchical("reduce_scatter", n / p, rest)
-    return _hierarchical("all_gather", n / p, rest) + _ring("all_gather", n, p, link)
+        return _ring("reduce_scatter", n, p, link("reduce_scatter")) + _hierarchical("reduce_scatter", n / p, rest)
+    return _hierarchical("all_gather", n / p, rest) + _ring("all_gather", n, p, link("all_gather"))

@@ -7,32 +7,52 @@ grid: 16 GPUs as (16,), (4, 4) or (8, 2). A logical mesh is laid out row-major o
 node rides NVLink; a dim that spans GPUs of several nodes is costed hierarchically (the NVLink
 part first, then the network on a 1/p share of the bytes).
 
-Candidate rule (:func:`candidates`), bounded so a plan costs a handful of solves. With W devices
-and G devices per node (``cluster.ranks_per_node``):
+Candidate rule (:func:`candidates`), bounded so a plan costs a handful of solves. With W devices,
+G devices per node (``cluster.ranks_per_node``) and N = W/G nodes:
 
 * the cluster's own mesh;
 * the flat mesh (W,);
 * every 2-D grid (W/k, k) with 1 < k < W whose inner dim k either lies inside a node (k divides
-  G) or is made of whole nodes (G divides k).
+  G) or is made of whole nodes (G divides k);
+* on several nodes (N > 1) of G >= 4: the 3-D grids (N, G/t, t) for t in {2, G/2} (the node
+  split in two dims, e.g. TP x FSDP inside, data across), and with N >= 4 even also (N/2, 2, G)
+  (pairs of nodes, e.g. FSDP over a pair, TP inside a node; 64 GPUs as (4, 2, 8)). These are
+  *pruned*: their outer dim, named "data", is data parallel only (the batch split, parameters
+  replicated or sharded at rest and gathered before use: roles "data", "free", "free" of
+  :mod:`autoshard.baselines`); the two inner dims are free.
 
 Grids equal up to dims of size 1 are one candidate (the first listed): one node of 8 H100s gives
-(1, 8), (4, 2), (2, 4); 4 nodes of 8 give 5 grids; 16 Perlmutter nodes of 4 give 6. Grids of 3 or more dims are not
-candidates: their strategy sets grow as (placements per dim) ** dims and a free 3-D solve of even
-a tiny GPT takes ~20x a 2-D one; pass them explicitly (``meshes=[(4, 2, 8)]``) or reach them
-through the hand strategies of :mod:`autoshard.baselines`, which constrain the problem enough.
+(1, 8), (4, 2), (2, 4); 4 nodes of 8 give 5 grids and 3 3-D ones; 16 Perlmutter nodes of 4 give
+6 and 2. An unpruned 3-D solve costs (placements per dim) ** 3 strategies per op: on a 4-layer
+GPT (hidden 512, 2 nodes of 8 H100s) one took 80-117 s against 7-22 s for each 2-D grid; the
+pruned ones took 26-34 s (1.5-2.5x a 2-D grid; ~5 s of it enumerating strategies) and found a
+plan 16% faster than the best 2-D grid (the unpruned solves returned one 2% slower still,
+although their space holds the pruned one: not yet explained). On GPT-2 124M over 4 nodes of 8
+the three 3-D candidates took 27-65 s against 1-28 s for each of the five others (one, (4, 2, 4),
+won by 0.01%); over 16 Perlmutter nodes the two took 143 s (no plan within the 120 s limit) and
+160 s against 1-23 s, and neither won. So ``meshes="auto"`` on several nodes costs 2.3-6x the
+2-D candidates alone (timings on 2 shared cores). Unpruned 3-D or 4-D grids (AxoNN's (data, z, y, x)) are reached by passing them
+(``meshes=[(4, 2, 8)]``: every dim free) or through the hand strategies of
+:mod:`autoshard.baselines`, which constrain the problem enough.
 
 >>> c = Cluster.preset("dgx-h100", nodes=1)
 >>> [shape for shape, _ in candidates(c)]
 [(1, 8), (4, 2), (2, 4)]
+>>> [shape for shape, _ in candidates(Cluster.preset("dgx-h100", nodes=4))][-3:]
+[(4, 4, 2), (4, 2, 4), (2, 2, 8)]
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 from autoshard.cluster import Cluster
-from autoshard.errors import ClusterError, InfeasibleError, SolverError
+from autoshard.errors import ClusterError, ConstraintError, InfeasibleError, SolverError
+
+# the dim names of a pruned 3-D candidate (its outer dim is data parallel; see the rule above)
+DATA_NAMES = ("data", "outer", "inner")
 
 
 def _divisors(n: int) -> list[int]:
@@ -52,6 +72,12 @@ def candidates(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[str, ...]]
     for k in _divisors(world)[1:-1]:
         if per_node % k == 0 or k % per_node == 0:
             out.append(((world // k, k), _names((world // k, k))))
+    nodes = world // per_node if world % per_node == 0 else 1
+    if nodes > 1 and per_node >= 4:
+        for t in dict.fromkeys((2, per_node // 2)):
+            out.append(((nodes, per_node // t, t), DATA_NAMES))
+        if nodes >= 4 and nodes % 2 == 0:
+            out.append(((nodes // 2, 2, per_node), DATA_NAMES))
     seen, unique = set(), []
     for shape, names in out:
         squeezed = tuple(p for p in shape if p > 1)  # a dim of one device splits nothing
@@ -61,11 +87,21 @@ def candidates(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[str, ...]]
     return unique
 
 
+def allow_data_outer(traced, allow):
+    """``allow`` and, on the outer dim, data parallelism only (roles of :mod:`autoshard.baselines`)."""
+    from autoshard.baselines import allow_for
+
+    data = allow_for(traced, ("data", "free", "free"))
+    return data if allow is None else (lambda node, s: allow(node, s) and data(node, s))
+
+
 def _normalize(cluster: Cluster, meshes) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     if meshes == "auto":
         return candidates(cluster)
+    if meshes == "auto-2d":  # the cheap part: no 3-D solves
+        return [(shape, names) for shape, names in candidates(cluster) if names != DATA_NAMES]
     if isinstance(meshes, str) or not isinstance(meshes, Sequence) or not meshes:
-        raise ClusterError(f"meshes must be 'auto' or a non-empty list of mesh shapes, got {meshes!r}")
+        raise ClusterError(f"meshes must be 'auto', 'auto-2d' or a non-empty list of mesh shapes, got {meshes!r}")
     out = []
     for m in meshes:
         shape = (m,) if isinstance(m, int) else tuple(m)
@@ -80,20 +116,34 @@ def _normalize(cluster: Cluster, meshes) -> list[tuple[tuple[int, ...], tuple[st
 
 
 def plan_over(plan_one, traced, cluster: Cluster, meshes, **kwargs):
-    """Plan ``traced`` on each logical mesh of ``meshes`` ("auto": :func:`candidates`) with
+    """Plan ``traced`` on each logical mesh of ``meshes`` ("auto": :func:`candidates`; "auto-2d":
+    those of at most 2 dims, a fraction of the cost on several nodes) with
     ``plan_one(traced, logical_cluster, **kwargs)`` and keep the fastest predicted step (ties: the
     earlier candidate, so the physical mesh wins a tie). ``plan.stats["meshes"]`` lists every
-    candidate's step time (None: infeasible, or no solution within ``time_limit``). If none fits,
-    raises the InfeasibleError whose ``min_memory`` is smallest."""
-    best, tried, errors = None, {}, []
+    candidate's step time (None: infeasible, or no solution within ``time_limit``; a pruned 3-D
+    candidate also when its data dim cannot split the batch) and
+    ``plan.stats["mesh_seconds"]`` what each took to plan. If none fits, raises the
+    InfeasibleError whose ``min_memory`` is smallest."""
+    best, tried, errors, seconds = None, {}, [], {}
     for shape, names in _normalize(cluster, meshes):
         logical = cluster.with_mesh(shape, names)
+        start = time.perf_counter()
+        args = kwargs
+        if names == DATA_NAMES:
+            args = dict(kwargs, allow=allow_data_outer(traced, kwargs.get("allow")))
         try:
-            p = plan_one(traced, logical, **kwargs)
+            p = plan_one(traced, logical, **args)
         except (InfeasibleError, SolverError) as exc:  # this grid has no plan: the others may
+            seconds[str(shape)] = time.perf_counter() - start
             tried[str(shape)] = None
             errors.append(exc)
             continue
+        except ConstraintError:  # the pruned grid cannot split this batch over its data dim
+            if names != DATA_NAMES:
+                raise
+            tried[str(shape)] = None
+            continue
+        seconds[str(shape)] = time.perf_counter() - start
         tried[str(shape)] = p.step_time
         if best is None or p.step_time < best.step_time:
             best = p
@@ -102,5 +152,5 @@ def plan_over(plan_one, traced, cluster: Cluster, meshes, **kwargs):
         if not infeasible:
             raise errors[0]
         raise min(infeasible, key=lambda e: math.inf if e.min_memory is None else e.min_memory)
-    best.stats["meshes"] = tried
+    best.stats.update(meshes=tried, mesh_seconds=seconds)
     return best

@@ -15,8 +15,9 @@ cannot lower is reported under ``compile_failures`` and left out of the statisti
 Measured, per plan, on every rank, with every plan compiled up front and the timed samples
 interleaved round-robin (a burst of load from the shared host lands on all plans alike):
 
-* step: forward + backward of the compiled module (what ``plan.step_time`` predicts); the
-  AdamW update that follows is timed on its own (``opt_ms``; the plan does not predict it).
+* step: forward + backward of the compiled module and the AdamW update that follows (what
+  ``plan.step_time`` predicts: compute, exposed communication, recompute and the optimizer step);
+  the update is also reported on its own (``opt_ms``), and forward + backward (``fb_ms``).
   A round times ``--steps`` steps of every plan in turn (the slower rank's time counts). The
   host is shared and its load swings 1x-5x within seconds, so a matmul probe (the calibration's,
   both ranks at once) runs just before and after every sample: ``meas ms`` is the median over rounds of
@@ -147,17 +148,19 @@ def measure_job(size: str, plans: dict[str, list[str]], warmup: int, samples: in
             fb[s, i] = sum(t for t, _ in times) / steps
             up[s, i] = sum(t for _, t in times) / steps
     peaks, state = torch.zeros(len(names), dtype=torch.float64), torch.zeros(len(names), dtype=torch.float64)
+    peak_ops = []   # where each plan's peak fell on this rank (what to look at when it disagrees)
     for i, (dm, opt, local) in enumerate(runs.values()):
         with PeakMemory() as mem:
             mem.track(_state(dm, opt, local))
             state[i] = mem.current
             step(names[i])
         peaks[i] = mem.peak
+        peak_ops.append(mem.peak_op)
     # per sample the slower rank sets the step; the fuller rank sets the memory
     for t in (fb, up, probe, peaks, state):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {"names": names, "used": used, "failed": failed, "fb_s": fb.tolist(), "opt_s": up.tolist(),
-            "probe_s": probe.tolist(),
+            "probe_s": probe.tolist(), "peak_op": peak_ops,
             "peak_bytes": peaks.tolist(), "state_bytes": state.tolist()}
 
 
@@ -241,7 +244,9 @@ def run(size: str = "small", *, calibration: Path | None = None, recalibrate: bo
     names = measured["names"]
     plans = {n: plans[n][k] for n, k in measured["used"].items()}
     flops = cluster.device.flops("float32")
-    median, normalized = step_estimates(measured["fb_s"], measured["probe_s"], flops)
+    whole = [[a + b for a, b in zip(fb, up)] for fb, up in zip(measured["fb_s"], measured["opt_s"])]
+    median, normalized = step_estimates(whole, measured["probe_s"], flops)
+    _, fb_normalized = step_estimates(measured["fb_s"], measured["probe_s"], flops)
     opt = [statistics.median(r[i] for r in measured["opt_s"]) for i in range(len(names))]
     probe_flops = 2 * PROBE**3 / statistics.median(q for r in measured["probe_s"] for q in r)
     rows = []
@@ -249,6 +254,8 @@ def run(size: str = "small", *, calibration: Path | None = None, recalibrate: bo
         p = plans[name]
         rows.append({"plan": name, "pred_step_ms": p.step_time * 1e3, "meas_step_ms": normalized[i] * 1e3,
                      "meas_median_ms": median[i] * 1e3, "step_ratio": p.step_time / normalized[i], "opt_ms": opt[i] * 1e3,
+                     "meas_fb_ms": fb_normalized[i] * 1e3, "pred_opt_ms": p.breakdown.get("optimizer", 0.0) * 1e3,
+                     "pred_recompute_comm_ms": p.breakdown.get("recompute_comm", 0.0) * 1e3,
                      "pred_comm_ms": p.comm_time * 1e3, "pred_compute_ms": p.compute_time * 1e3,
                      "pred_recompute_ms": p.breakdown.get("recompute", 0.0) * 1e3,
                      "pred_peak_mib": p.peak_memory / 2**20, "meas_peak_mib": measured["peak_bytes"][i] / 2**20,
@@ -256,7 +263,7 @@ def run(size: str = "small", *, calibration: Path | None = None, recalibrate: bo
                      "pred_state_bytes": sum(p.memory.get(k, 0.0) for k in STATE), "meas_state_bytes": measured["state_bytes"][i],
                      "storage": sorted(set(p.storage.values())), "inputs": p.inputs, "mesh": list(p.mesh_dim_names),
                      "recomputed": sum(n.recompute for n in p.nodes), "memory_limit": p.memory_limit,
-                     "samples_ms": [r[i] * 1e3 for r in measured["fb_s"]]})
+                     "samples_ms": [r[i] * 1e3 for r in whole], "peak_op": measured["peak_op"][i]})
     cfg, batch = SIZES[size]
     rho = spearman([r["pred_step_ms"] for r in rows], [r["meas_step_ms"] for r in rows])
     rho_median = spearman([r["pred_step_ms"] for r in rows], [r["meas_median_ms"] for r in rows])
@@ -286,7 +293,8 @@ def table(report: dict) -> str:
                     f"while timing vs {report['cluster']['flops'] / 1e9:.0f} calibrated")
     cols = [("plan", "plan", "{}"), ("pred ms", "pred_step_ms", "{:.1f}"), ("meas ms (load-norm)", "meas_step_ms", "{:.1f}"),
             ("raw median ms", "meas_median_ms", "{:.1f}"), ("pred/meas", "step_ratio", "{:.2f}"),
-            ("pred comm ms", "pred_comm_ms", "{:.1f}"), ("opt ms", "opt_ms", "{:.1f}"),
+            ("pred comm ms", "pred_comm_ms", "{:.1f}"), ("pred opt ms", "pred_opt_ms", "{:.1f}"),
+            ("opt ms", "opt_ms", "{:.1f}"),
             ("pred MiB", "pred_peak_mib", "{:.2f}"), ("meas MiB", "meas_peak_mib", "{:.2f}"), ("mem err", "mem_err", "{:+.1%}")]
     for head, _, _ in cols:
         t.add_column(head, justify="left" if head == "plan" else "right")

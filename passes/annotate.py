@@ -36,8 +36,27 @@ class OpCost:
     dtype: torch.dtype    # compute dtype (of the largest output)
 
 
-def tensor_bytes(val) -> float:
-    return float(sum(t.numel() * t.element_size() for t in _torch.tree_leaves(val) if isinstance(t, torch.Tensor)))
+def tensor_bytes(val, dtype: torch.dtype | None = None) -> float:
+    """Bytes of a tensor (or of the tensors in a tuple); with ``dtype``, floating tensors counted
+    at that dtype's size (what a mixed-precision runtime moves)."""
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+
+    return float(sum(size(t) for t in _torch.tree_leaves(val) if isinstance(t, torch.Tensor)))
+
+
+def feeds_only_grads(gm: fx.GraphModule, traced) -> set[fx.Node]:
+    """Nodes whose values reach nothing but parameter gradients (the weight-gradient matmul, its
+    transposes and casts): the reductions into them are gradient reductions."""
+    grads = {g for g in traced.grads.values() if g is not None}
+    only: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        users = list(node.users)
+        if node in grads or (users and all(u in only for u in users)):
+            only.add(node)
+    return only
 
 
 # Ops that move no data but whose schemas do not say they alias (_unsafe_view is view + no

@@ -45,12 +45,12 @@ import fnmatch
 from dataclasses import dataclass, field
 
 import torch.fx as fx
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import costmodel
 from autoshard.errors import ConstraintError
-from autoshard.passes.annotate import is_free
-from autoshard.passes.coarsen import LAYER_KEY
+from autoshard.passes.annotate import feeds_only_grads, is_free
+from autoshard.passes.coarsen import FOLLOW_KEY, LAYER_KEY
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 
 
@@ -65,8 +65,25 @@ class Edge:
     kind: str = "input"          # input | output | grad (to storage) | gather (storage -> working)
     weight: float = 1.0          # runs per step: micro-batches x identical edges merged (repeated layers)
     aligned: bool = False        # the consumer must take the producer's placement (no resharding)
+    slices: bool = False         # aligned, or a free slice of it (a follower: passes/coarsen.py)
     overlap: bool = False        # a parameter's or gradient's move: may hide behind its block's compute
     block: object = None         # the block whose compute can hide it (overlap edges)
+    kept: float = 0.0            # global bytes kept: a gather's working copy (for the step), a
+                                 # gradient's unreduced buffer (between micro-batches)
+    reduce_nbytes: float | None = None  # size when a pending sum is reduced (the policy's reduce dtype)
+
+    def moved_bytes(self, src, dst) -> float:
+        """Global bytes resharding ``src`` -> ``dst`` moves: a gradient's partial sums travel in the
+        mixed-precision policy's reduce dtype (passes/rewrite.py), anything else in its own."""
+        if self.reduce_nbytes is not None and any(isinstance(q, Partial) and q != p for q, p in zip(src, dst)):
+            return self.reduce_nbytes
+        return self.nbytes
+
+
+def slices_to(src, dst) -> bool:
+    """``src`` becomes ``dst`` with no communication: equal on every mesh dim, or ``dst`` shards
+    a dim ``src`` replicates (each rank keeps its slice)."""
+    return all(q == p or (isinstance(q, Replicate) and isinstance(p, Shard)) for q, p in zip(src, dst))
 
 
 class Storage:
@@ -105,6 +122,10 @@ class Problem:
     def src_placement(self, e: Edge, s: int):
         return e.src.meta[META_KEY].strategies[s].outputs[e.src_out]
 
+    @staticmethod
+    def src_placement_of(node: fx.Node, k: int, s: int):
+        return node.meta[META_KEY].strategies[s].outputs[k]
+
 
 def _parse_placements(value, ndim: int, what: str):
     from autoshard.plan import parse_placements
@@ -124,18 +145,25 @@ def _restrict(node: fx.Node, placements, what: str) -> list[int]:
     return ok
 
 
-def formulate(traced, cluster, constraints: dict | None = None, allow=None, micro_batches: int = 1) -> Problem:
+def formulate(traced, cluster, constraints: dict | None = None, allow=None, micro_batches: int = 1,
+              followers: bool = True) -> Problem:
     """``allow(node, strategy) -> bool`` (optional) limits the strategies the solver may pick;
     hand-written strategies (autoshard.baselines) are such limits on this same problem.
+    ``followers``: align each follower marked by passes/coarsen.py with the input it follows.
 
     ``micro_batches`` K: one step runs the graph K times (gradient accumulation); every compute
     cost and resharding counts K times except the gradients' reduction to storage, which runs
     once, on the last micro-batch (the earlier ones accumulate unreduced: solver/memory.py)."""
     gm = traced.gm
+    policy = getattr(traced, "mixed_precision", None)
+    param_dtype = getattr(policy, "param_dtype", None)  # the runtime gathers it when narrower
+    reduce_dtype = getattr(policy, "reduce_dtype", None)
     storage = {node: Storage(node) for _, node in traced.params}
     nodes = [n for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].alias_of is None]
     nodes += storage.values()
-    cost = {n: [0.0 if isinstance(n, Storage) else micro_batches * costmodel.compute_time(cluster, n, s)
+    # a Storage decision carries the optimizer's update of its shard (once per step, not per micro-batch)
+    cost = {n: [costmodel.optimizer_time(cluster, traced, n.param, s) if isinstance(n, Storage)
+                else micro_batches * costmodel.compute_time(cluster, n, s)
                 for s in n.meta[META_KEY].strategies] for n in nodes}
     allowed = {n: list(range(len(n.meta[META_KEY].strategies))) for n in nodes}
     rep = tuple([Replicate()] * cluster.ndim)
@@ -172,26 +200,38 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     problem = Problem(nodes, cost, allowed, block=block, overlap=cluster.device.comm_overlap,
                       micro_batches=micro_batches, storage=storage)
     # storage -> working placement: one gather per step (not per micro-batch: the copy is kept)
+    # (under a mixed-precision policy the gather moves the compute dtype: autoshard/runtime.py)
     for p, st in storage.items():
-        problem.edges.append(Edge(st, 0, p, [s.outputs[0] for s in p.meta[META_KEY].strategies],
-                                  costmodel.tensor_nbytes(p.meta["val"]), kind="gather", overlap=True,
-                                  block=block[p]))
+        full = costmodel.tensor_nbytes(p.meta["val"])
+        moves = min(full, costmodel.tensor_nbytes(p.meta["val"], param_dtype)) if param_dtype else full
+        problem.edges.append(Edge(st, 0, p, [s.outputs[0] for s in p.meta[META_KEY].strategies], moves,
+                                  kind="gather", overlap=True, block=block[p], kept=full))
     params = {node for _, node in traced.params}
-    moved = set(params)  # parameters and their views: what a consumer gathers without waiting on compute
+    # parameters, their views and casts: what a consumer gathers without waiting on compute
+    moved = set(params)
+    to_grads = feeds_only_grads(gm, traced) if reduce_dtype is not None else set()
     for v in nodes:
         if v.op != "call_function":
             continue
-        for i, arg in enumerate(tensor_inputs(v)):
+        args = tensor_inputs(v)
+        for i, arg in enumerate(args):
             u, k = value_of(arg)
+            dst_in = [s.inputs[i] for s in v.meta[META_KEY].strategies]
             # A view of a parameter takes the parameter's storage placement: the gather happens at
             # each consumer, forward and backward, so no gathered copy lives from one to the other
             # (FSDP's reshard-after-forward) and the view costs no memory, as the memory model says.
-            aligned = u in params and is_free(v)
-            if aligned:
+            # A follower (passes/coarsen.py) takes its input's placement whichever it is.
+            param_view = u in params and is_free(v)
+            follows = not param_view and followers and v.meta.get(FOLLOW_KEY) == i and \
+                {problem.src_placement_of(u, k, s) for s in allowed[u]} <= {dst_in[s] for s in allowed[v]}
+            aligned = param_view or follows
+            if aligned and u in moved and len(args) == 1:
                 moved.add(v)
-            problem.edges.append(Edge(u, k, v, [s.inputs[i] for s in v.meta[META_KEY].strategies],
-                                      costmodel.tensor_nbytes(arg.meta["val"]), aligned=aligned,
-                                      overlap=u in moved and not aligned, block=block[v], weight=micro_batches))
+            problem.edges.append(Edge(u, k, v, dst_in, costmodel.tensor_nbytes(arg.meta["val"]), aligned=aligned,
+                                      slices=follows, overlap=u in moved and not aligned, block=block[v],
+                                      weight=micro_batches,
+                                      reduce_nbytes=costmodel.tensor_nbytes(arg.meta["val"], reduce_dtype)
+                                      if v in to_grads else None))
     for out in traced.outputs:
         if out is not None:
             u, k = value_of(out)
@@ -203,8 +243,9 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
             u, k = value_of(grad)
             p = params[name]
             problem.edges.append(Edge(u, k, storage[p], [s.outputs[0] for s in p.meta[META_KEY].strategies],
-                                      costmodel.tensor_nbytes(grad.meta["val"]), kind="grad", overlap=True,
-                                      block=block[u]))
+                                      costmodel.tensor_nbytes(grad.meta["val"], reduce_dtype), kind="grad",
+                                      overlap=True, block=block[u],  # to_storage moves it in reduce_dtype
+                                      kept=costmodel.tensor_nbytes(grad.meta["val"])))
     return problem
 
 
@@ -246,13 +287,14 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
         anchor = e.src if e.kind == "grad" else e.dst
         blk = None if anchor is None else problem.block.get(r(anchor))
         key = (r(e.src), e.src_out, None if e.dst is None else r(e.dst),
-               None if e.dst is None else tuple(map(str, e.dst_in)), e.nbytes, e.fixed, e.kind, e.aligned,
-               e.overlap, blk)
+               None if e.dst is None else tuple(map(str, e.dst_in)), e.nbytes, e.fixed, e.kind, e.aligned, e.slices,
+               e.overlap, blk, e.kept, e.reduce_nbytes)
         if key in merged:
             merged[key].weight += e.weight
         else:
             merged[key] = Edge(r(e.src), e.src_out, None if e.dst is None else r(e.dst), e.dst_in, e.nbytes,
-                               e.fixed, e.kind, e.weight, e.aligned, e.overlap, blk)
+                               e.fixed, e.kind, e.weight, e.aligned, e.slices, e.overlap, blk, e.kept,
+                               e.reduce_nbytes)
     shared.edges = list(merged.values())
 
     from autoshard.solver.memory import MemoryModel

@@ -10,6 +10,11 @@
                                                      the step (y: the storage -> working edge's
                                                      flow variables; w: bytes at s)
          + sum_{v,s} act[v,s] k[v,s]                 activations kept for backward
+         + T_rec,  T_rec >= sum_{v in B} sum_s act[v,s] g[v,s]
+                              + (1/n_b) sum_{v in B_b} sum_s act[v,s] (j[v,s] - g[v,s])   (every b)
+                                                     values recomputed in backward: from its
+                                                     start (g = x a, a below), or while their
+                                                     block's backward runs (j = x r)
          + T,  T >= sum_s work[v,s] x[v,s]  (all v)  the largest op's working set
          <= limit
 
@@ -22,10 +27,40 @@ obey Checkmate-style validity:
     keep_u + r_u >= r_v      for every forward input u of a recomputed v
     keep_u >= keep_v         when v is a view of u (a saved view holds its base's memory)
 
-Recomputing v costs its compute again: sum_s c[v,s] j[v,s], j[v,s] = x[v,s] r_v in the same form.
+Recomputing v costs its compute again: sum_s c[v,s] j[v,s], j[v,s] = x[v,s] r_v in the same form,
+and the resharding of its inputs again (a parameter's gather for FSDP, a tensor-parallel
+all-reduce): for each input edge e of v, with R_e = sum of e's resharding terms (the solve's
+``reshard_terms``) and M_e its largest value,
+
+    w_e >= R_e - M_e (1 - r_v),   w_e >= 0,   objective += w_e
+
+charged in full, exposed: the runtime issues a recomputed node's collectives in backward, in
+line (exact where nothing overlaps, as on gloo; an upper bound where prefetch could hide them).
+
+Recomputed values live in backward: torch's partitioner (``reordering_to_mimic_autograd_engine``)
+replays a recomputed node just before backward first needs it, so block b's values come back
+while b's backward runs and die at their last use; one block's backward runs at a time. B_b is
+the recomputed nodes of block b that backward reads (the ones that stay until a backward op;
+the intermediates that only feed other replays die at once), and n_b the layer copies a shared
+block stands for (its terms sum them; :func:`block_copies`). Blocks are ``problem.block``'s:
+a repeated layer's copy, all other nodes one more block. They add to the saved activations'
+peak: the last block's backward starts with every saved activation still live.
+
+A replay runs back to the nearest saved values, so what the first backward ops read (the loss
+and the head, before backward reaches a repeated layer: :func:`backward_start_reads`) brings
+back, at once, every recomputed node upstream of it through recomputed nodes: recompute the
+residual stream and the whole forward comes back at the start of backward (no memory saved).
+a_v = 1 marks such a node, the least solution of
+
+    a_u >= r_u                      u read by the first backward ops
+    a_u >= a_v + r_u - 1            u an input of v,    a_v <= r_v
+
+B = the nodes backward reads (as B_b); a recomputed one with a_v = 1 stays live from the start
+of backward to its backward use; the others (r_v - a_v = 1: behind a saved value, e.g. what only
+the saved attention output needs) come back lazily, one block's at a time, on top.
+
 Views and getitems alias their input and cost no bytes of their own; parameters and inputs are
-always available; seeded random ops (dropout) are never recomputed. Resharding a recomputed
-node's inputs again is not charged (approximation).
+always available; seeded random ops (dropout) are never recomputed.
 """
 
 from __future__ import annotations
@@ -37,6 +72,7 @@ import torch.fx as fx
 
 from autoshard import costmodel
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free
+from autoshard.passes.coarsen import LAYER_KEY
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 
 
@@ -53,6 +89,7 @@ class MemoryModel:
     recompute_all: bool = False     # every recomputable node recomputed (full activation checkpointing)
     mesh_shape: tuple = ()
     held: list = field(default_factory=list)   # (storage, parameter, bytes): a gathered working copy
+    block: dict = field(default_factory=dict)  # node -> its block (problem.block): whose backward replays it
 
     @property
     def candidates(self) -> list[fx.Node]:
@@ -85,7 +122,7 @@ def _producer(node: fx.Node) -> fx.Node:
 def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float) -> MemoryModel:
     """optimizer_factor: optimizer-state bytes per parameter byte (Adam: 2)."""
     mesh = cluster.mesh_shape
-    mm = MemoryModel(limit, mesh_shape=tuple(mesh))
+    mm = MemoryModel(limit, mesh_shape=tuple(mesh), block=dict(problem.block))
     trained = {name for name, g in traced.grads.items() if g is not None}
     for name, node in traced.params:
         # at its storage placement: a frozen parameter has no gradient and no optimizer state
@@ -154,6 +191,96 @@ def saved_for_backward(mm: MemoryModel, recompute: set) -> list[fx.Node]:
     return list(saved)
 
 
+def block_copies(mm: MemoryModel, block: dict) -> dict[object, float]:
+    """How many layer copies each block's terms stand for: 1 when every node is its own
+    decision; in a shared problem (formulation.share) a representative's bytes sum its whole
+    class, which the parameters show: ``held`` keeps one entry per parameter, under its
+    representative, so a block's entries over its distinct representatives is its copy count."""
+    entries: dict[object, int] = {}
+    reps: dict[object, set] = {}
+    for _, p, _ in mm.held:
+        b = block.get(p)
+        entries[b] = entries.get(b, 0) + 1
+        reps.setdefault(b, set()).add(p)
+    return {b: entries[b] / len(reps[b]) for b in entries}
+
+
+def rematerialized(mm: MemoryModel) -> list[fx.Node]:
+    """Recomputable nodes whose recomputed value stays live in backward: backward reads it, or a
+    view of it (the view holds its base's bytes)."""
+    read = set()
+    for u in mm.needed:
+        read.add(u)
+        while u in mm.base_of:
+            u = mm.base_of[u]
+            read.add(u)
+    return [v for v in mm.recomputable if v in read]
+
+
+def backward_start_reads(nodes, block: dict) -> set[fx.Node]:
+    """Forward values read by the backward ops that run before backward reaches a repeated layer
+    (a node with a ``block``): the loss's and the head's backward. Without repeated layers, the
+    first backward op's alone (nothing marks where the head ends; later replays are taken to
+    run lazily, as the partitioner runs them)."""
+    graph = next((n.graph for n in nodes if isinstance(n, fx.Node)), None)
+    backward = [n for n in ([] if graph is None else graph.nodes)
+                if n.op == "call_function" and COST_KEY in n.meta and n.meta[COST_KEY].phase == "bwd"]
+    # a shared problem's blocks name its representatives only: the other copies' by their layer mark
+    of = lambda n: block[n] if n in block else (n.meta.get(LAYER_KEY) or (None, None))[1]  # noqa: E731
+    layered = any(of(n) is not None for n in backward)
+    out: set[fx.Node] = set()
+    for i, n in enumerate(backward):
+        if of(n) is not None or (i > 0 and not layered):
+            break
+        out.update(u for u in map(_producer, tensor_inputs(n))
+                   if u.op == "call_function" and COST_KEY in u.meta and u.meta[COST_KEY].phase == "fwd")
+    return out
+
+
+def replayed_at_start(mm: MemoryModel, recompute: set) -> set[fx.Node]:
+    """The a_v = 1 nodes (module docstring): the least solution, from the seeds up the inputs
+    (a shared problem's class graph may have cycles: a block's output feeds its own class)."""
+    todo = [u for u in backward_start_reads(mm.recomputable, mm.block) if u in recompute]
+    on: set[fx.Node] = set(todo)
+    while todo:
+        v = todo.pop()
+        for u in mm.inputs_of.get(v, []):
+            if u in recompute and u not in on:
+                on.add(u)
+                todo.append(u)
+    return on
+
+
+def recomputed_live(mm: MemoryModel, choice: dict, recompute: set) -> float:
+    """Bytes of recomputed values live at once in backward: those replayed at its start, plus
+    the largest block's lazily replayed ones (module docstring)."""
+    copies = block_copies(mm, mm.block)
+    per: dict[object, float] = {}
+    start = replayed_at_start(mm, recompute)
+    at_start = 0.0
+    for v in rematerialized(mm):
+        if v in recompute and v in mm.act:
+            if v in start:
+                at_start += mm.act[v][choice[v]]
+            else:
+                b = mm.block.get(v)
+                per[b] = per.get(b, 0.0) + mm.act[v][choice[v]] / copies.get(b, 1.0)
+    return at_start + max(per.values(), default=0.0)
+
+
+def recompute_resharding(problem, cluster, choice: dict, recompute: set) -> float:
+    """Seconds of resharding run again in backward for the recomputed nodes' inputs:
+    sum over input edges e of recomputed nodes of weight_e * resharding time (the objective's
+    w_e at their optimum; ``choice``: node -> strategy index, as a Solution holds it)."""
+    total = 0.0
+    for e in problem.edges:
+        if e.kind != "input" or e.aligned or e.dst not in recompute:
+            continue
+        src = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
+        total += e.weight * costmodel.resharding_time(cluster, src, e.dst_in[choice[e.dst]], e.nbytes)
+    return total
+
+
 def working_copies(mm: MemoryModel, choice: dict, mesh_shape) -> float:
     """Bytes of the parameters gathered once per step and kept (working placement != storage)."""
     total = 0.0
@@ -171,21 +298,33 @@ def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set
     return {
         "state": sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape),
         "activations": sum(mm.act[u][choice[u]] for u in saved_for_backward(mm, recompute) if u in mm.act),
+        # replayed in backward: the recomputed values of the block whose backward runs
+        "recomputed": recomputed_live(mm, choice, recompute),
         "transient": max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
     }
 
 
 def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recompute: set) -> list[tuple[str, float]]:
     """Predicted per-device bytes held after each node: persistent state, plus each saved
-    activation from its forward node until its last backward reader, plus that op's working set."""
+    activation from its forward node until its last backward reader, plus each recomputed value
+    from its block's first backward reader of one (where the replay runs) until its own last
+    backward reader, plus that op's working set."""
     from autoshard.passes.strategies import value_of
 
     state = sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape)
     saved = set(saved_for_backward(mm, recompute))
+    replayed = {v for v in rematerialized(mm) if v in recompute and v in mm.act}
+    copies = block_copies(mm, mm.block)
+    size = {v: mm.act[v][choice[v]] / copies.get(mm.block.get(v), 1.0) for v in replayed}
     last_use: dict[fx.Node, fx.Node] = {}
+    first_replay: dict[object, fx.Node] = {}   # block -> where its backward replays its values
     for n in graph.nodes:
+        backward = n.op == "call_function" and COST_KEY in n.meta and n.meta[COST_KEY].phase == "bwd"
         for a in n.all_input_nodes:
             u = value_of(a)[0]
+            if backward and u in replayed:
+                first_replay.setdefault(mm.block.get(u), n)
+                last_use[u] = n
             while u in mm.base_of:
                 u = mm.base_of[u]
             if u in saved:
@@ -193,14 +332,19 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
     frees: dict[fx.Node, list[fx.Node]] = {}
     for u, n in last_use.items():
         frees.setdefault(n, []).append(u)
+    starts: dict[fx.Node, list[fx.Node]] = {}
+    for v in replayed:
+        if mm.block.get(v) in first_replay:
+            starts.setdefault(first_replay[mm.block.get(v)], []).append(v)
     live, out = 0.0, []
     for n in graph.nodes:
         if n.op != "call_function" or n not in choice:
             continue
         if n in saved:
             live += mm.act[n][choice[n]]
+        live += sum(size[v] for v in starts.get(n, []))
         work = mm.work.get(n, [0.0] * (choice[n] + 1))[choice[n]]
         out.append((n.name, state + live + work))
         for u in frees.get(n, []):
-            live -= mm.act[u][choice[u]]
+            live -= size[u] if u in replayed else mm.act[u][choice[u]]
     return out

@@ -17,7 +17,7 @@ from ortools.linear_solver import pywraplp
 
 from autoshard import costmodel
 from autoshard.errors import InfeasibleError, SolverError
-from autoshard.solver.formulation import Problem
+from autoshard.solver.formulation import Problem, slices_to
 from autoshard.solver.memory import MemoryModel, predicted_memory
 
 US = 1e6  # seconds -> microseconds
@@ -35,6 +35,8 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     """The memory block of DESIGN.md's ILP (formulas in solver/memory.py); ``held``: the working
     copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds)]
     (before overlap), for charging a recomputed node's input moves again."""
+    from autoshard.solver.memory import backward_start_reads, block_copies, rematerialized
+
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
     r = {v: solver.NumVar(1, 1, "") if mm.recompute_all else solver.BoolVar("") for v in mm.recomputable}
     keep = {v: solver.BoolVar("") for v in mm.candidates}
@@ -60,11 +62,37 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
 
     # recompute cost: sum_s c[v,s] x[v,s] r_v; a nanosecond per recomputed node breaks ties
     # towards saving (recomputing a free view gains nothing)
+    live = set(rematerialized(mm))
+    mm.block = {v: problem.block.get(v) for v in problem.nodes}   # this problem's blocks (shared or not)
+    copies = block_copies(mm, mm.block)
+    replayed: dict[object, list] = {}   # block -> [(j or g var, +-bytes / n_b)]: its lazy replays
+    a = {v: solver.NumVar(0, 1, "") for v in r}   # replayed at the start of backward (below)
+    start = []                                      # [(g var, bytes)]
     for v, rv in r.items():
         objective.SetCoefficient(rv, 1e-3)
-        if max(problem.cost[v][s] for s in problem.allowed[v]) > 0:
-            for s, var in product(v, rv).items():
-                objective.SetCoefficient(var, problem.cost[v][s] * US)
+        cost = max(problem.cost[v][s] for s in problem.allowed[v]) > 0
+        act = v in live and max((mm.act[v][s] for s in problem.allowed[v]), default=0.0) > 0
+        if not (cost or act):
+            continue
+        j = product(v, rv)
+        for s, var in j.items():
+            objective.SetCoefficient(var, problem.cost[v][s] * US)
+        if act:
+            b = problem.block.get(v)
+            g = product(v, a[v])
+            start += [(g[s], mm.act[v][s]) for s in problem.allowed[v]]
+            replayed.setdefault(b, []).extend(
+                (var, sign * mm.act[v][s] / copies.get(b, 1.0))
+                for s in problem.allowed[v] for var, sign in ((j[s], 1.0), (g[s], -1.0)))
+
+    # its inputs resharded again: w_e >= R_e - M_e (1 - r_v), w_e >= 0, charged in full (exposed)
+    for e, e_terms in reshard_terms.items():
+        big = max((c for _, c in e_terms), default=0.0)   # one variable of an edge's terms is 1
+        if e.kind != "input" or e.dst not in r or big <= 0:
+            continue
+        w = solver.NumVar(0, solver.infinity(), "")
+        objective.SetCoefficient(w, 1.0)
+        solver.Add(w >= solver.Sum([var * c for var, c in e_terms]) - big * (1 - r[e.dst]))
 
     # saved activations: sum_s act[v,s] x[v,s] keep_v
     saved_terms = []
@@ -77,8 +105,23 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     for v in mm.work:
         solver.Add(t >= solver.Sum([var * (w / MB) for var, w in expr(mm.work, v)]))
 
+    # recomputed values live in backward, replayed at its start (a_v) or lazily per block:
+    #   a_u >= r_u (u read first),  a_u >= a_v + r_u - 1 (u an input of v),  a_v <= r_v
+    #   T_rec >= sum_{v in B} sum_s act[v,s] g[v,s] + (1/n_b) sum_{v in B_b} sum_s act[v,s] (j - g)[v,s]
+    for u in backward_start_reads(mm.recomputable, mm.block):
+        if u in r:
+            solver.Add(a[u] >= r[u])
+    for v in r:
+        solver.Add(a[v] <= r[v])
+        for u in mm.inputs_of.get(v, []):
+            if u in r and u is not v:
+                solver.Add(a[u] >= a[v] + r[u] - 1)
+    t_rec = solver.NumVar(0, solver.infinity(), "")
+    for rows in replayed.values() or [[]]:
+        solver.Add(t_rec >= solver.Sum([var * (c / MB) for var, c in start + rows]))
+
     state_terms = [term for v in mm.state for term in expr(mm.state, v)]
-    terms = state_terms + held + saved_terms + [(t, MB)]
+    terms = state_terms + held + saved_terms + [(t_rec, MB), (t, MB)]
     # peak <= limit
     solver.Add(solver.Sum([var * (c / MB) for var, c in terms]) <= mm.limit / MB)
     return _MemoryRows(r, terms)
@@ -115,7 +158,7 @@ def _edge_cost(problem: Problem, e, x, reshard) -> tuple[list, list]:
         dst = {}
         for s in problem.allowed[e.dst]:
             dst.setdefault(e.dst_in[s], []).append(s)
-    r = {(q, p): e.weight * reshard(q, p, e.nbytes) for q in src for p in dst}
+    r = {(q, p): e.weight * reshard(q, p, e.moved_bytes(q, p)) for q in src for p in dst}
     if e.dst is e.src:  # a block's output feeding the same class in the next block: one choice
         return [(x[e.src, s], r[problem.src_placement(e, s), e.dst_in[s]]) for s in problem.allowed[e.src]], []
     if len(dst) == 1:
@@ -165,16 +208,29 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         if len(allowed) > 1:
             solver.Add(solver.Sum([x[v, s] for s in allowed]) == 1)
 
-    # Aligned edges: sum_{s: in_e(s) = p} x[v,s] = sum_{s: out_e(s) = p} x[u,s] for every placement p
+    # Aligned edges: sum_{s: in_e(s) = p} x[v,s] = sum_{s: out_e(s) = p} x[u,s] for every placement p;
+    # a follower's may also slice: sum_{s: in_e(s) = p} x[v,s] <= sum_{s: out_e(s) slices to p} x[u,s]
     for e in problem.edges:
-        if e.aligned and e.dst is not e.src:
-            by = {}
+        if not e.aligned:
+            continue
+        if e.dst is e.src:  # one class on both ends: its own strategy must line up
             for s in problem.allowed[e.src]:
-                by.setdefault(problem.src_placement(e, s), ([], []))[0].append(x[e.src, s])
-            for s in problem.allowed[e.dst]:
-                by.setdefault(e.dst_in[s], ([], []))[1].append(x[e.dst, s])
-            for src_vars, dst_vars in by.values():
-                solver.Add(solver.Sum(src_vars) == solver.Sum(dst_vars))
+                q, p = problem.src_placement(e, s), e.dst_in[s]
+                if not (slices_to(q, p) if e.slices else q == p):
+                    solver.Add(x[e.src, s] == 0)
+            continue
+        src_by, dst_by = {}, {}
+        for s in problem.allowed[e.src]:
+            src_by.setdefault(problem.src_placement(e, s), []).append(x[e.src, s])
+        for s in problem.allowed[e.dst]:
+            dst_by.setdefault(e.dst_in[s], []).append(x[e.dst, s])
+        for p in dict.fromkeys([*src_by, *dst_by]):
+            if e.slices:
+                if p in dst_by:
+                    solver.Add(solver.Sum(dst_by[p]) <= solver.Sum([var for q, vs in src_by.items()
+                                                                    if slices_to(q, p) for var in vs]))
+            else:
+                solver.Add(solver.Sum(src_by.get(p, [])) == solver.Sum(dst_by.get(p, [])))
 
     # Edges: resharding cost, linear in x when one side has a single placement, else flow form.
     # A parameter's or gradient's move goes to its block's comm instead (formulation.py: Overlap).
@@ -198,11 +254,11 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         if e.kind == "gather" and not flows:  # one side has one placement: the copy is linear in x
             for var, (q, p) in _pairs(problem, e, x):
                 if q != p:
-                    held.append((var, e.weight * costmodel.local_bytes(e.nbytes, p, cluster.mesh_shape)))
+                    held.append((var, e.weight * costmodel.local_bytes(e.kept, p, cluster.mesh_shape)))
         for src, dst, r in flows:
             y = {(q, p): solver.NumVar(0, 1, "") for q in src for p in dst}
             if e.kind == "gather":
-                held += [(var, e.weight * costmodel.local_bytes(e.nbytes, p, cluster.mesh_shape))
+                held += [(var, e.weight * costmodel.local_bytes(e.kept, p, cluster.mesh_shape))
                          for (q, p), var in y.items() if q != p]
             for (q, p), var in y.items():
                 charge(e, var, r[q, p] * US)
@@ -215,7 +271,8 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     # E_b >= comm_b - a * compute_b, E_b >= 0
     members: dict[object, list] = {}
     for v in problem.nodes:
-        members.setdefault(problem.block.get(v), []).append(v)
+        if v.op != "storage":  # the optimizer step runs after backward: it hides nothing
+            members.setdefault(problem.block.get(v), []).append(v)
     for b, terms in hideable.items():
         compute = [(x[v, s], problem.overlap * problem.cost[v][s] * US)
                    for v in members.get(b, []) for s in problem.allowed[v] if problem.cost[v][s] > 0]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch.distributed as dist
 
-from autoshard.calibrate import fit_line, link_from_fit, time_collective
+from autoshard.calibrate import fit_line, link_from_fit, size_switch_latency, time_collective
 from autoshard.cluster import COLLECTIVES, Cluster, DeviceSpec, LinkSpec
 from autoshard.errors import ClusterError
 from autoshard.launch import run_local
@@ -35,7 +35,9 @@ def calibrate_job(path: str) -> dict:
     for _ in range(ATTEMPTS):
         cluster = Cluster.calibrate(save=path)
         nbytes, measured = time_collective("all_reduce", HELD_OUT, repeats=15)
-        predicted = cluster.collective_time("all_reduce", nbytes, 0)
+        # the fitted line, without the size-switch term: time_collective repeats one size
+        ar = cluster.calibration["mesh_dims"][0]["fits"]["all_reduce"]
+        predicted = ar["a"] + ar["b"] * nbytes
         attempts.append({"json": cluster.to_json(), "measured": measured, "predicted": predicted})
         if abs(predicted - measured) <= 0.5 * measured:
             break
@@ -81,7 +83,14 @@ def test_calibrated_figures_are_positive_and_finite(calibrated):
     ar = dim["fits"]["all_reduce"]
     assert (link.latency, link.bandwidth) == (ar["latency"], ar["bandwidth"])
     for n in ar["sizes"]:
-        assert c.collective_time("all_reduce", n, 0) == pytest.approx(ar["a"] + ar["b"] * n, rel=1e-9)
+        assert c.collective_time("all_reduce", n, 0) == pytest.approx(ar["a"] + ar["switch"] + ar["b"] * n, rel=1e-9)
+    # every other kind is priced by its own fit, not by the all-reduce link's ring ratios
+    for kind, fit in dim["fits"].items():
+        assert fit["switch"] == size_switch_latency(fit["sizes"], fit["mixed"], fit["a"], fit["b"]) >= 0
+        for n in fit["sizes"]:
+            assert c.collective_time(kind, n, 0) == pytest.approx(fit["a"] + fit["switch"] + fit["b"] * n,
+                                                                  rel=1e-9), kind
+    assert c.calibration["dtensor_op_overhead"] >= 0
 
 
 @pytest.mark.world(2)
@@ -137,6 +146,15 @@ def test_fit_clamps_a_negative_intercept():
     sizes = [MiB, 2 * MiB, 4 * MiB]
     fit = fit_line(sizes, [1e-3 * n / MiB - 1e-4 for n in sizes])
     assert fit["clamped"] and fit["a"] == 0.0 and fit["b"] > 0
+
+
+def test_size_switch_latency_by_hand():
+    sizes = [MiB, 4 * MiB]
+    a, b = 100e-6, 1e-9
+    same = [a + b * n for n in sizes]
+    assert size_switch_latency(sizes, sum(same), a, b) == 0.0
+    assert size_switch_latency(sizes, sum(same) + 2e-3, a, b) == pytest.approx(1e-3)   # 1 ms per call
+    assert size_switch_latency(sizes, 0.5 * sum(same), a, b) == 0.0                      # never negative
 
 
 @pytest.mark.parametrize("sizes, times, match", [

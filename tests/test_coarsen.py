@@ -1,8 +1,10 @@
-"""Repeated layers: detection from structure alone, and sharing that costs (almost) nothing.
+"""Coarsening: repeated layers found from structure alone, followers aligned with their input,
+and both costing (almost) nothing.
 
-Sharing one set of decisions across identical blocks is a restriction of the exact problem, so
-its optimum can only be equal or worse; on graphs small enough to solve exactly it must stay
-within 1% (DESIGN: repeated layers share decisions, with memory still accounted per layer).
+Sharing one set of decisions across identical blocks, or a view's / elementwise op's with its
+input, is a restriction of the exact problem, so its optimum can only be equal or worse; on
+graphs small enough to solve exactly it must stay within 1% (DESIGN: repeated layers share
+decisions, with memory still accounted per layer).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 import autoshard
 from autoshard.cluster import Cluster
-from autoshard.passes.coarsen import repeated_layers
+from autoshard.passes.coarsen import FOLLOW_KEY, mark_followers, repeated_layers
+from autoshard.passes.strategies import tensor_inputs, value_of
 from autoshard.zoo import GPT, MLP, GPTConfig, Llama, LlamaConfig
 
 
@@ -69,13 +72,13 @@ def gpt2layers():
     return traced, Cluster.local(2)
 
 
-@pytest.mark.parametrize("fraction", [None, 0.8, 0.6])
+@pytest.mark.parametrize("fraction", [None, 0.8, 0.7])
 def test_sharing_matches_the_exact_optimum(gpt2layers, fraction):
     traced, cluster = gpt2layers
     free = autoshard.plan(traced, cluster, share_layers=False)
     cap = None if fraction is None else free.peak_memory * fraction
     shared = autoshard.plan(traced, cluster, memory_limit=cap, share_layers=True)
-    exact = autoshard.plan(traced, cluster, memory_limit=cap, share_layers=False)
+    exact = autoshard.plan(traced, cluster, memory_limit=cap, share_layers=False, followers=False)
     assert shared.stats["shared_nodes"][1] < exact.stats["shared_nodes"][1]
     assert exact.step_time <= shared.step_time * (1 + 1e-4)  # both proven within solve's 1e-4 gap
     assert shared.step_time <= exact.step_time * 1.01
@@ -91,3 +94,46 @@ def test_llama_depth_does_not_grow_the_problem():
         plan = autoshard.plan(model, Cluster.local(2), inputs)
         sizes.append(plan.stats["shared_nodes"][1])
     assert sizes[0] == sizes[1], sizes
+
+
+@pytest.fixture(scope="module")
+def llama_on_16():
+    # a 2-D mesh, where tensors have many placements and followers matter most
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab=512, seq=128, hidden=256, heads=8, intermediate=512, layers=1))
+    inputs = tuple(torch.empty(16, 128, dtype=torch.long, device="meta") for _ in range(2))
+    traced = autoshard.trace(model, inputs)
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    free = autoshard.plan(traced, cluster, followers=False)
+    return traced, cluster, free
+
+
+def test_followers_are_views_and_elementwise_ops_that_accept_every_input_placement(llama_on_16):
+    traced, _, _ = llama_on_16
+    followed = mark_followers(traced)
+    assert len(followed) > 20
+    for node, i in followed.items():
+        assert node.meta[FOLLOW_KEY] == i
+        strategies = node.meta["autoshard.strategies"].strategies
+        producer = tensor_inputs(node)[i]
+        numel = [a.meta["val"].numel() for a in tensor_inputs(node)]
+        assert numel[i] == max(numel)  # the largest input
+        prod, k = value_of(producer)
+        outs = {s.outputs[k] for s in prod.meta["autoshard.strategies"].strategies}
+        assert outs <= {s.inputs[i] for s in strategies}, node
+
+
+def test_followers_keep_the_optimum_and_shrink_the_ilp(llama_on_16):
+    # uncapped: the exact problem under a binding cap takes HiGHS minutes on a 2-D mesh; capped
+    # comparisons are in bench/plan_time.py (--no-followers), Llama-3-8B shapes at 8 and 32 layers
+    traced, cluster, exact = llama_on_16
+    coarse = autoshard.plan(traced, cluster)
+    assert coarse.solver["variables"] < 0.8 * exact.solver["variables"]
+    assert exact.step_time <= coarse.step_time * (1 + 1e-4)
+    assert coarse.step_time <= exact.step_time * 1.01
+    # a follower never reshards the input it follows
+    followed = mark_followers(traced)
+    by_name = {n.name: n for n in coarse.nodes}
+    for node, i in followed.items():
+        src = value_of(tensor_inputs(node)[i])[0].name
+        assert not [c for c in by_name[node.name].comm if c["src"] == src], node

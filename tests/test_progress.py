@@ -19,5 +19,6 @@ def test_quiet_when_not_a_terminal(capfd):
 def test_stages_shown_when_asked(capfd):
     plan = _plan(progress=True)
     err = capfd.readouterr().err
-    assert "tracing and strategies" in err and "formulating and solving" in err
+    for stage in ("tracing", "strategies", "formulating", "solving"):
+        assert f"autoshard: {stage} " in err, (stage, err)
     assert {"trace_s", "strategies_s", "formulate_s", "solve_s", "total_s"} <= set(plan.stats)

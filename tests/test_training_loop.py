@@ -171,3 +171,50 @@ def test_plan_takes_the_policy_and_the_accumulation():
     with pytest.raises(autoshard.errors.ConstraintError, match="grad_accumulation"):
         autoshard.plan(traced, cluster, batch, grad_accumulation=0)
     assert autoshard.plan(traced, cluster, batch, grad_accumulation=4, progress=False).grad_accumulation == 4
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_planner_prices_the_moves_the_policy_makes(reduce_dtype):
+    """FSDP pinned on a 2-D mesh under bf16 compute: every gather of a parameter's bf16 copy the
+    plan charges (the storage -> working copy or at a consumer) moves numel x 2 bytes (an op
+    reading the fp32 parameter itself moves fp32), every reduction of a gradient (in the graph or
+    its move to storage) numel x the reduce dtype's size -- what the runtime sends (counted in
+    test_bf16_parameter_gathers_move_bf16), not the fp32 master weights' size."""
+    import autoshard
+    from autoshard.passes.strategies import value_of
+    from autoshard.zoo import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab=64, seq=32, hidden=64, heads=2, layers=2))
+    batch = model.example_inputs(8, generator=torch.Generator().manual_seed(0))
+    policy = autoshard.MixedPrecision(torch.bfloat16, reduce_dtype)
+    traced = autoshard.trace(model, batch, mixed_precision=policy)
+    plan = autoshard.plan(traced, autoshard.Cluster.preset("dgx-h100"), constraints={"*": "(R,S(0))"},
+                          progress=False)
+    numel = {node.name: node.meta["val"].numel() for _, node in traced.params}
+    # a parameter's bf16 copy (its cast), by the name of the node that casts it
+    cast_of = {n.name: value_of(n.args[0])[0].name for n in traced.gm.graph.nodes
+               if n.op == "call_function" and n.args and getattr(n.args[0], "name", None) in numel
+               and n.meta["val"].dtype == torch.bfloat16}
+    from autoshard.passes.annotate import feeds_only_grads
+
+    to_grads = {n.name for n in feeds_only_grads(traced.gm, traced)}
+    vals = {n.name: n.meta.get("val") for n in traced.gm.graph.nodes}
+    seen = {"gather": 0, "grad": 0}
+    for node in plan.nodes:
+        for c in node.comm:
+            src = c["src"]
+            if c["role"] == "grad":
+                assert c["bytes"] == numel[node.name] * reduce_dtype.itemsize, (node.name, c)
+                seen["grad"] += 1
+            elif node.name in to_grads and c["kind"] in ("all_reduce", "reduce_scatter"):
+                # a gradient's partial sums reduced in the graph, on the way to its parameter
+                val = vals[src][0] if isinstance(vals[src], (tuple, list)) else vals[src]
+                assert c["bytes"] == val.numel() * reduce_dtype.itemsize, (node.name, c)
+                seen["grad"] += 1
+            elif c["role"] == "gather" or src in cast_of:
+                param = src if src in numel else cast_of[src]
+                assert c["kind"] == "all_gather" and c["bytes"] == numel[param] * 2, (node.name, c)
+                seen["gather"] += 1
+            elif src in numel:  # an op reading the fp32 parameter itself (a norm's backward)
+                assert c["bytes"] == numel[src] * 4, (node.name, c)
+    assert seen["gather"] >= len(numel) and seen["grad"] >= 2, seen

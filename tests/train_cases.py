@@ -49,6 +49,9 @@ CONSTRAINTS = {
 K = 4
 MAX_NORM = 0.5
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")  # not wait/wrap ops
+_C10D = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter_tensor",
+         "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor", "_allgather_base_": "all_gather_into_tensor",
+         "allgather_into_tensor_coalesced_": "all_gather_into_tensor", "broadcast_": "broadcast"}
 
 
 def _is_collective(node) -> bool:
@@ -79,8 +82,16 @@ class CollectiveCounter(TorchDispatchMode):
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace.startswith("_c10d_functional") and func._opname.startswith(COLLECTIVES):
-            self.counts[(func._opname, str(args[0].dtype))] += 1
+        name = func._opname
+        if func.namespace == "c10d":  # process-group collectives the runtime issues directly
+            name = _C10D.get(name, "")
+            tensor = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        elif func.namespace.startswith("_c10d_functional"):
+            tensor = args[0]
+        else:
+            name = ""
+        if name.startswith(COLLECTIVES):
+            self.counts[(name, str(tensor.dtype))] += 1
         return func(*args, **(kwargs or {}))
 
     @property

@@ -1,0 +1,220 @@
+"""The cost-model terms that make predictions agree with measured runs (issue 8), each against a
+hand-computed formula: per-kind collective fits, the optimizer step, the resharding a recomputed
+node runs again, and the recomputed values live in backward. Nothing here times anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Shard
+
+import autoshard
+from autoshard import _torch, costmodel
+from autoshard.calibrate import link_from_fit
+from autoshard.cluster import COLLECTIVES, Cluster, DeviceSpec
+from autoshard.passes.coarsen import repeated_layers
+from autoshard.passes.strategies import META_KEY, find_strategies
+from autoshard.solver.formulation import Storage, formulate
+from autoshard.solver.memory import (memory_model, predicted_memory, recomputed_live, replayed_at_start,
+                                     saved_for_backward)
+from autoshard.zoo import GPT, GPTConfig, MLP
+
+KiB, MiB = 2**10, 2**20
+# one line t = a + b n per kind, as a calibration on gloo finds them: a reduce-scatter that costs
+# an all-reduce (gloo runs it as one), not the ring's half
+LINES = {"all_reduce": (400e-6, 6e-10), "all_gather": (150e-6, 5e-10), "reduce_scatter": (420e-6, 6.5e-10),
+         "all_to_all": (180e-6, 3.5e-10)}
+
+
+@pytest.fixture(autouse=True)
+def _no_calibration(monkeypatch, tmp_path):
+    monkeypatch.delenv("AUTOSHARD_CALIBRATION", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+def _dim(p: int, lines: dict, name: str = "d0") -> dict:
+    fits = {}
+    for kind, (a, b) in lines.items():
+        link = link_from_fit(kind, p, a, b, kind)
+        fits[kind] = {"a": a, "b": b, "latency": link.latency, "bandwidth": link.bandwidth}
+    return {"name": name, "size": p, "measured": True, "fits": fits}
+
+
+def _calibrated(shape=(2,), lines=(LINES,), **extra) -> Cluster:
+    dims = [_dim(p, lv, f"d{i}") for i, (p, lv) in enumerate(zip(shape, lines))]
+    links = [link_from_fit("all_reduce", p, *lv["all_reduce"], "ar") for p, lv in zip(shape, lines)]
+    device = DeviceSpec("measured", {"float32": 5e10}, 2e10, 8e9, compute_efficiency=1.0, memory_efficiency=1.0,
+                        launch_overhead=2e-6, comm_overlap=0.0)
+    return Cluster(shape, device=device, links=links, calibration={"mesh_dims": dims, **extra})
+
+
+# --- 1. every collective kind priced by its own fit ------------------------------------------------
+@pytest.mark.parametrize("kind", COLLECTIVES)
+def test_each_kind_is_its_own_measured_line(kind):
+    c = _calibrated()
+    a, b = LINES[kind]
+    for n in (64 * KiB, MiB, 16 * MiB):
+        assert c.collective_time(kind, n, 0) == pytest.approx(a + b * n, rel=1e-12)
+    # the same cluster without the calibration prices it by the all-reduce link's ring ratios
+    bare = Cluster((2,), device=c.device, links=c.links)
+    ar_a, ar_b = LINES["all_reduce"]
+    ratio = 1.0 if kind == "all_reduce" else 0.5
+    assert bare.collective_time(kind, MiB, 0) == pytest.approx(ratio * (ar_a + ar_b * MiB), rel=1e-12)
+
+
+def test_resharding_prices_a_reduce_scatter_by_its_fit():
+    c = _calibrated()
+    (col,) = costmodel.resharding(c, (Partial(),), (Shard(0),), 4 * MiB)
+    a, b = LINES["reduce_scatter"]
+    assert col.kind == "reduce_scatter" and col.time == pytest.approx(a + b * 4 * MiB, rel=1e-12)
+
+
+def test_a_renamed_mesh_keeps_the_fits_and_a_regrouped_one_drops_them():
+    c = _calibrated()
+    roles = c.with_mesh((2,), ("dp",))   # what a baseline does: same ranks, a role for a name
+    assert roles.calibration == c.calibration and roles.mesh_dim_names == ("dp",)
+    for kind in COLLECTIVES:
+        assert roles.collective_time(kind, MiB, "dp") == c.collective_time(kind, MiB, 0)
+    one = c.with_mesh((1,))
+    assert one.calibration is None and one.collective_time("reduce_scatter", MiB, 0) == 0.0
+
+
+def test_local_keeps_a_saved_calibration(monkeypatch, tmp_path):
+    c = _calibrated()
+    path = tmp_path / "calib.json"
+    path.write_text(c.to_json())
+    monkeypatch.setenv("AUTOSHARD_CALIBRATION", str(path))
+    local = Cluster.local(2)
+    a, b = LINES["reduce_scatter"]
+    assert local.collective_time("reduce_scatter", MiB, 0) == pytest.approx(a + b * MiB, rel=1e-12)
+    assert Cluster.local(4, (2, 2)).calibration is None   # other ranks per dim: the fits do not apply
+
+
+def test_hierarchical_all_reduce_takes_its_pieces_fits():
+    """(2, 2) with dim 1 the faster: all_reduce(n, both) = RS_1(n) + AR_0(n/2) + AG_1(n)."""
+    fast = {k: (a / 4, b / 4) for k, (a, b) in LINES.items()}
+    c = _calibrated((2, 2), (LINES, fast))
+    n = 8 * MiB
+    line = lambda lv, kind, m: lv[kind][0] + lv[kind][1] * m  # noqa: E731
+    expected = line(fast, "reduce_scatter", n) + line(LINES, "all_reduce", n / 2) + line(fast, "all_gather", n)
+    assert c.collective_time("all_reduce", n, (0, 1)) == pytest.approx(expected, rel=1e-12)
+
+
+# --- 4. the optimizer step ---------------------------------------------------------------------------
+def _mlp_problem(cluster, dims=(8, 16, 4), batch=8, freeze=()):
+    torch.manual_seed(0)
+    model = MLP(dims)
+    for name, p in model.named_parameters():
+        if name in freeze:
+            p.requires_grad_(False)
+    traced = autoshard.trace(model, (torch.randn(batch, dims[0]), torch.randn(batch, dims[-1])))
+    find_strategies(traced.gm, _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names))
+    return traced, formulate(traced, cluster)
+
+
+def test_optimizer_time_by_hand():
+    c = _calibrated(dtensor_op_overhead=7e-6)
+    traced, problem = _mlp_problem(c)
+    for name, p in traced.params:
+        st = problem.storage[p]
+        for s, strategy in enumerate(p.meta[META_KEY].strategies):
+            numel = p.meta["val"].numel()
+            shards = 2 if isinstance(strategy.outputs[0][0], Shard) else 1
+            # 9 kernels, each a launch plus a DTensor dispatch; 7 passes of the local shard
+            hand = 9 * (2e-6 + 7e-6) + 7 * numel * 4 / shards / 2e10
+            assert costmodel.optimizer_time(c, traced, p, strategy) == pytest.approx(hand, rel=1e-12), name
+            assert problem.cost[st][s] == pytest.approx(hand, rel=1e-12)
+    assert any(isinstance(n, Storage) for n in problem.nodes)
+
+
+def test_a_frozen_parameter_has_no_optimizer_step():
+    c = _calibrated()
+    traced, problem = _mlp_problem(c, freeze=("layers.0.weight",))
+    frozen = dict(traced.params)["layers.0.weight"]
+    assert not any(problem.cost[problem.storage[frozen]])
+    trained = dict(traced.params)["layers.0.bias"]
+    assert all(t > 0 for t in problem.cost[problem.storage[trained]])
+
+
+# --- 2. resharding again for recomputed nodes ----------------------------------------------------------
+def test_fsdp_recompute_gathers_every_parameter_again():
+    """FSDP with full recompute on an MLP: backward replays both linears, so each parameter is
+    all-gathered once more. At this size the plan computes replicated (a batch of 16 is not
+    worth splitting), so the replays also gather the batch-sharded input (first linear) and
+    target (the loss) again. The ILP's objective grows by those gathers and the replayed compute."""
+    from autoshard.baselines import plan_baseline
+
+    c = Cluster.local(2)
+    torch.manual_seed(0)
+    model = MLP((64, 128, 32))
+    traced = autoshard.trace(model, (torch.randn(16, 64), torch.randn(16, 32)))
+    plain = plan_baseline(traced, c, "fsdp")
+    again = plan_baseline(traced, c, "fsdp+recompute")
+    assert [n.strategy for n in plain.nodes] == [n.strategy for n in again.nodes]   # same placements
+    gathers = sum(c.collective_time("all_gather", p.numel() * 4, 0) for p in model.parameters())
+    gathers += c.collective_time("all_gather", 16 * 64 * 4, 0) + c.collective_time("all_gather", 16 * 32 * 4, 0)
+    replayed = again.breakdown["recompute"]
+    assert gathers > 0 and replayed > 0
+    assert again.solver["objective"] - plain.solver["objective"] == pytest.approx(
+        replayed + gathers, rel=1e-6, abs=2e-9 * sum(n.recompute for n in again.nodes))
+
+
+# --- 3. recomputed values live in backward ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt():
+    cfg = GPTConfig(vocab=64, seq=16, hidden=32, heads=2, layers=3)
+    model = GPT(cfg)
+    traced = autoshard.trace(model, model.example_inputs(4, generator=torch.Generator().manual_seed(0)))
+    cluster = Cluster.local(2)
+    find_strategies(traced.gm, _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names))
+    repeated_layers(traced)
+    problem = formulate(traced, cluster)
+    mm = memory_model(traced, problem, cluster, float("inf"), 2.0)
+    choice = {v: 0 for v in problem.nodes}   # every node replicated: act = the full output bytes
+    return cfg, mm, choice
+
+
+def test_recomputing_the_gelus_holds_one_layers_gelu(gpt):
+    """Inputs saved, gelus recomputed: each comes back in its own layer's backward, one at a time."""
+    cfg, mm, choice = gpt
+    gelus = {v for v in mm.recomputable if "gelu" in str(v.target)}
+    assert len(gelus) == cfg.layers
+    one = 4 * cfg.seq * 4 * cfg.hidden * 4   # batch x seq x 4h fp32
+    assert recomputed_live(mm, choice, gelus) == one
+    base = sum(mm.act[u][0] for u in saved_for_backward(mm, gelus) if u in mm.act)
+    predicted = predicted_memory(mm, choice, gelus)
+    assert predicted["activations"] == base and predicted["recomputed"] == one
+
+
+def test_recomputing_everything_brings_the_forward_back_at_the_start(gpt):
+    """Full recompute: the loss's backward needs the logits, whose replay runs back through the
+    whole residual stream, so what backward reads comes back at once, as if saved, except what
+    only the attention reads (its output is saved: it is random-seeded), which comes back one
+    layer at a time, when that layer's attention backward needs it."""
+    _, mm, choice = gpt
+    everything = set(mm.recomputable)
+    read = [u for u in saved_for_backward(mm, set()) if u in everything]   # bases of views read
+    start = replayed_at_start(mm, everything)
+    head = {u for u in read if mm.block.get(u) is None}
+    residual = {u for u in read if u.target is torch.ops.aten.add.Tensor}
+    qkv = {u for u in read if any("flash_attention" in str(w.target) for w in _readers(u))}
+    assert head and residual and len(qkv) == 3
+    assert head | residual <= start and not qkv & start
+    lazy: dict = {}
+    for u in read:
+        if u not in start:
+            lazy[mm.block[u]] = lazy.get(mm.block[u], 0.0) + mm.act[u][0]
+    assert len(lazy) == 3 and len(set(lazy.values())) == 1   # the same bytes in each layer
+    at_start = sum(mm.act[u][0] for u in read if u in start)
+    assert recomputed_live(mm, choice, everything) == at_start + max(lazy.values())
+
+
+def _readers(u):
+    """Consumers of u, through views and getitems."""
+    out = []
+    for w in u.users:
+        out.append(w)
+        if w.target in (torch.ops.aten.view.default, torch.ops.aten.split.Tensor, torch.ops.aten.transpose.int,
+                        torch.ops.aten.permute.default) or "getitem" in str(w.target):
+            out += _readers(w)
+    return out
