@@ -36,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoshard import _torch
-from autoshard.passes.annotate import phases
+from autoshard.passes.annotate import feeds_only_grads, phases
 from autoshard.passes.strategies import META_KEY, Strategy, tensor_inputs
 
 ORIGIN = "autoshard.node"   # meta["custom"] key: the joint-graph node a local node implements
@@ -144,7 +144,7 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
             param_of_grad.setdefault(g, []).append(params[name])
     (out_node,) = gm.graph.find_nodes(op="output")
     rep = tuple([Replicate()] * mesh.ndim)
-    to_grads = _feeds_only_grads(gm, traced) if reduce_dtype is not None else set()
+    to_grads = feeds_only_grads(gm, traced) if reduce_dtype is not None else set()
     narrowing = _parameter_casts(traced)
     grad_placements: list = []
 
@@ -208,20 +208,6 @@ def _parameter_casts(traced) -> set[fx.Node]:
                     and val.dtype.itemsize < p.meta["val"].dtype.itemsize):
                 found.add(user)
     return found
-
-
-def _feeds_only_grads(gm: fx.GraphModule, traced) -> set[fx.Node]:
-    """Nodes whose values reach nothing but parameter gradients (the weight-gradient matmul, its
-    transposes and casts): the reductions into them are gradient reductions."""
-    grads = {g for g in traced.grads.values() if g is not None}
-    only: set[fx.Node] = set()
-    for node in reversed(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        users = list(node.users)
-        if node in grads or (users and all(u in only for u in users)):
-            only.add(node)
-    return only
 
 
 def to_storage(local_grad: torch.Tensor, placements, param: DTensor,
