@@ -91,10 +91,10 @@ ADAMW_PASSES = 7
 ADAMW_KERNELS = 9
 
 
-def optimizer_time(cluster, traced, param, strategy) -> float:
-    """Seconds of one AdamW update of ``param`` (a parameter placeholder of ``traced``) stored in
-    ``strategy``'s output placement; 0.0 for a frozen parameter (no gradient, no update)."""
-    if not any(node is param and traced.grads.get(name) is not None for name, node in traced.params):
+def optimizer_time(cluster, param, strategy, trained: bool = True) -> float:
+    """Seconds of one AdamW update of ``param`` (a parameter placeholder) stored in ``strategy``'s
+    output placement; 0.0 for a frozen parameter (``trained=False``: no gradient, no update)."""
+    if not trained:
         return 0.0
     d = cluster.device
     shard = local_bytes(tensor_bytes(param.meta["val"]), strategy.outputs[0], cluster.mesh_shape)

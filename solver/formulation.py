@@ -162,7 +162,8 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     nodes = [n for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].alias_of is None]
     nodes += storage.values()
     # a Storage decision carries the optimizer's update of its shard (once per step, not per micro-batch)
-    cost = {n: [costmodel.optimizer_time(cluster, traced, n.param, s) if isinstance(n, Storage)
+    trained = {node for name, node in traced.params if traced.grads.get(name) is not None}
+    cost = {n: [costmodel.optimizer_time(cluster, n.param, s, n.param in trained) if isinstance(n, Storage)
                 else micro_batches * costmodel.compute_time(cluster, n, s)
                 for s in n.meta[META_KEY].strategies] for n in nodes}
     allowed = {n: list(range(len(n.meta[META_KEY].strategies))) for n in nodes}

@@ -136,7 +136,7 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
         # (a Partial gradient is a full local copy), and add the next one's into them
         for e in problem.edges:
             if e.kind == "grad":
-                held = [costmodel.local_bytes(e.nbytes, s.outputs[e.src_out], mesh)
+                held = [costmodel.local_bytes(e.kept, s.outputs[e.src_out], mesh)  # in its own dtype
                         for s in e.src.meta[META_KEY].strategies]
                 mm.state[e.src] = [a + b for a, b in zip(mm.state.get(e.src, [0.0] * len(held)), held)]
 
@@ -277,7 +277,8 @@ def recompute_resharding(problem, cluster, choice: dict, recompute: set) -> floa
         if e.kind != "input" or e.aligned or e.dst not in recompute:
             continue
         src = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
-        total += e.weight * costmodel.resharding_time(cluster, src, e.dst_in[choice[e.dst]], e.nbytes)
+        dst = e.dst_in[choice[e.dst]]
+        total += e.weight * costmodel.resharding_time(cluster, src, dst, e.moved_bytes(src, dst))
     return total
 
 

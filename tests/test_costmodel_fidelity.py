@@ -122,7 +122,7 @@ def test_optimizer_time_by_hand():
             shards = 2 if isinstance(strategy.outputs[0][0], Shard) else 1
             # 9 kernels, each a launch plus a DTensor dispatch; 7 passes of the local shard
             hand = 9 * (2e-6 + 7e-6) + 7 * numel * 4 / shards / 2e10
-            assert costmodel.optimizer_time(c, traced, p, strategy) == pytest.approx(hand, rel=1e-12), name
+            assert costmodel.optimizer_time(c, p, strategy) == pytest.approx(hand, rel=1e-12), name
             assert problem.cost[st][s] == pytest.approx(hand, rel=1e-12)
     assert any(isinstance(n, Storage) for n in problem.nodes)
 
