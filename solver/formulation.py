@@ -300,7 +300,13 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
 
     from autoshard.solver.memory import MemoryModel
 
-    m = MemoryModel(mm.limit, recompute_all=mm.recompute_all, mesh_shape=mm.mesh_shape)
+    # one keep / recompute decision per class too: per group of copies (1, 2, 4, ... copies, any
+    # count a choice) measured 0.4% faster plans at 80 layers for 1.4x the solve time
+    copies: dict = {}
+    for v in rep:
+        copies[r(v)] = copies.get(r(v), 0) + 1
+    m = MemoryModel(mm.limit, recompute_all=mm.recompute_all, mesh_shape=mm.mesh_shape, block=dict(problem.block),
+                    copies=copies, alias={v: r(v) for v in rep})
     for table, out in ((mm.state, m.state), (mm.act, m.act)):
         for v, vals in table.items():
             out[r(v)] = [a + b for a, b in zip(out.get(r(v), [0.0] * len(vals)), vals)]

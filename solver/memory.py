@@ -11,7 +11,7 @@
                                                      flow variables; w: bytes at s)
          + sum_{v,s} act[v,s] k[v,s]                 activations kept for backward
          + T_rec,  T_rec >= sum_{v in B} sum_s act[v,s] g[v,s]
-                              + (1/n_b) sum_{v in B_b} sum_s act[v,s] (j[v,s] - g[v,s])   (every b)
+                              + sum_{v in B_b} sum_s act[v,s] (j[v,s] - g[v,s]) / n_v   (every b)
                                                      values recomputed in backward: from its
                                                      start (g = x a, a below), or while their
                                                      block's backward runs (j = x r)
@@ -41,10 +41,11 @@ Recomputed values live in backward: torch's partitioner (``reordering_to_mimic_a
 replays a recomputed node just before backward first needs it, so block b's values come back
 while b's backward runs and die at their last use; one block's backward runs at a time. B_b is
 the recomputed nodes of block b that backward reads (the ones that stay until a backward op;
-the intermediates that only feed other replays die at once), and n_b the layer copies a shared
-block stands for (its terms sum them; :func:`block_copies`). Blocks are ``problem.block``'s:
-a repeated layer's copy, all other nodes one more block. They add to the saved activations'
-peak: the last block's backward starts with every saved activation still live.
+the intermediates that only feed other replays die at once), and n_v the layer copies v's terms
+sum (1, or in a shared problem its class's: one copy replays at a time; formulation.share).
+Blocks are ``problem.block``'s: a repeated layer's copy, all other nodes one more block. They
+add to the saved activations' peak: the last block's backward starts with every saved
+activation still live.
 
 A replay runs back to the nearest saved values, so what the first backward ops read (the loss
 and the head, before backward reaches a repeated layer: :func:`backward_start_reads`) brings
@@ -90,6 +91,9 @@ class MemoryModel:
     mesh_shape: tuple = ()
     held: list = field(default_factory=list)   # (storage, parameter, bytes): a gathered working copy
     block: dict = field(default_factory=dict)  # node -> its block (problem.block): whose backward replays it
+    # a shared problem (formulation.share): a class node's terms sum its layer copies (1 when absent)
+    copies: dict = field(default_factory=dict)
+    alias: dict = field(default_factory=dict)  # class member -> its class node
 
     @property
     def candidates(self) -> list[fx.Node]:
@@ -191,20 +195,6 @@ def saved_for_backward(mm: MemoryModel, recompute: set) -> list[fx.Node]:
     return list(saved)
 
 
-def block_copies(mm: MemoryModel, block: dict) -> dict[object, float]:
-    """How many layer copies each block's terms stand for: 1 when every node is its own
-    decision; in a shared problem (formulation.share) a representative's bytes sum its whole
-    class, which the parameters show: ``held`` keeps one entry per parameter, under its
-    representative, so a block's entries over its distinct representatives is its copy count."""
-    entries: dict[object, int] = {}
-    reps: dict[object, set] = {}
-    for _, p, _ in mm.held:
-        b = block.get(p)
-        entries[b] = entries.get(b, 0) + 1
-        reps.setdefault(b, set()).add(p)
-    return {b: entries[b] / len(reps[b]) for b in entries}
-
-
 def rematerialized(mm: MemoryModel) -> list[fx.Node]:
     """Recomputable nodes whose recomputed value stays live in backward: backward reads it, or a
     view of it (the view holds its base's bytes)."""
@@ -240,7 +230,8 @@ def backward_start_reads(nodes, block: dict) -> set[fx.Node]:
 def replayed_at_start(mm: MemoryModel, recompute: set) -> set[fx.Node]:
     """The a_v = 1 nodes (module docstring): the least solution, from the seeds up the inputs
     (a shared problem's class graph may have cycles: a block's output feeds its own class)."""
-    todo = [u for u in backward_start_reads(mm.recomputable, mm.block) if u in recompute]
+    todo = [u for u in {mm.alias.get(u, u) for u in backward_start_reads(mm.recomputable, mm.block)}
+            if u in recompute]
     on: set[fx.Node] = set(todo)
     while todo:
         v = todo.pop()
@@ -254,7 +245,6 @@ def replayed_at_start(mm: MemoryModel, recompute: set) -> set[fx.Node]:
 def recomputed_live(mm: MemoryModel, choice: dict, recompute: set) -> float:
     """Bytes of recomputed values live at once in backward: those replayed at its start, plus
     the largest block's lazily replayed ones (module docstring)."""
-    copies = block_copies(mm, mm.block)
     per: dict[object, float] = {}
     start = replayed_at_start(mm, recompute)
     at_start = 0.0
@@ -262,9 +252,9 @@ def recomputed_live(mm: MemoryModel, choice: dict, recompute: set) -> float:
         if v in recompute and v in mm.act:
             if v in start:
                 at_start += mm.act[v][choice[v]]
-            else:
+            else:   # one layer copy at a time
                 b = mm.block.get(v)
-                per[b] = per.get(b, 0.0) + mm.act[v][choice[v]] / copies.get(b, 1.0)
+                per[b] = per.get(b, 0.0) + mm.act[v][choice[v]] / mm.copies.get(v, 1)
     return at_start + max(per.values(), default=0.0)
 
 
@@ -315,8 +305,7 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
     state = sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape)
     saved = set(saved_for_backward(mm, recompute))
     replayed = {v for v in rematerialized(mm) if v in recompute and v in mm.act}
-    copies = block_copies(mm, mm.block)
-    size = {v: mm.act[v][choice[v]] / copies.get(mm.block.get(v), 1.0) for v in replayed}
+    size = {v: mm.act[v][choice[v]] / mm.copies.get(v, 1) for v in replayed}
     last_use: dict[fx.Node, fx.Node] = {}
     first_replay: dict[object, fx.Node] = {}   # block -> where its backward replays its values
     for n in graph.nodes:

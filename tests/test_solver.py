@@ -235,3 +235,18 @@ def test_plan_decisions_are_deterministic():
         d["solver"].pop("time", None)
         docs.append(d)
     assert docs[0] == docs[1] == docs[2]
+
+
+def test_solver_options_reach_highs(capfd):
+    """pywraplp's HiGHS interface ignores MPSolverParameters and SuppressOutput's banner; the
+    options go through HiGHS's own option string (solve.py): without it HiGHS prints its banner
+    and log on every solve."""
+    model = GPT(GPTConfig.tiny())
+    inputs = model.example_inputs(2, generator=torch.Generator().manual_seed(0))
+    cluster = Cluster.local(2)
+    traced = autoshard.trace(model, inputs)
+    capfd.readouterr()
+    plan = autoshard.plan(traced, cluster)
+    out = capfd.readouterr()
+    assert "HiGHS" not in out.out + out.err
+    assert plan.solver["status"] == "optimal" and plan.solver["gap"] <= 1e-3
