@@ -1,6 +1,7 @@
 """Checkpoints of compiled modules: save under one plan, resume under another; single-device interop.
 
-A compiled module's parameters are DTensors in their storage placement, under the model's names,
+A compiled module's parameters are DTensors in their storage placement, under the model's names
+(plain full tensors on one device, which DCP saves as one chunk and loads into any plan's shards),
 so torch.distributed.checkpoint (DCP) saves each rank's shards and loads them into any other plan,
 mesh or world size, resharding on the way. Optimizer state goes through
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``, which key it by

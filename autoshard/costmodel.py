@@ -20,11 +20,12 @@ step, where its storage placement keeps it (:func:`optimizer_time`): memory-boun
         + ADAMW_PASSES * local_bytes / (memory_bandwidth * memory_efficiency)
 
 with ``dtensor_op_overhead`` the calibrated dispatch cost of one op on a DTensor (the emitted
-module's parameters are DTensors; 0 without a calibration).
+module's parameters are DTensors but on one device; 0 without a calibration).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -98,7 +99,9 @@ def optimizer_time(cluster, param, strategy, trained: bool = True) -> float:
         return 0.0
     d = cluster.device
     shard = local_bytes(tensor_bytes(param.meta["val"]), strategy.outputs[0], cluster.mesh_shape)
-    launch = d.launch_overhead + (cluster.calibration or {}).get("dtensor_op_overhead", 0.0)
+    # the emitted module's parameters are DTensors except on one device (runtime.py)
+    dtensor = (cluster.calibration or {}).get("dtensor_op_overhead", 0.0) if math.prod(cluster.mesh_shape) > 1 else 0.0
+    launch = d.launch_overhead + dtensor
     return ADAMW_KERNELS * launch + ADAMW_PASSES * shard / (d.memory_bandwidth * d.memory_efficiency)
 
 

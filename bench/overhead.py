@@ -10,7 +10,9 @@ Pairs (each pair timed in one launch, samples interleaved round-robin, median of
 * megatron: autoshard pinned to the Megatron plan (qkv/fc column-, proj/out row-parallel, batch
   replicated) vs ``parallelize_module`` with ColwiseParallel on qkv (DTensor output, so the
   model's split/view/attention run on DTensors) and fc, RowwiseParallel on proj and out; 2 ranks.
-* eager: autoshard's all-replicated plan on one rank vs the plain model; 1 rank.
+* eager: autoshard's all-replicated plan on one rank vs the plain model; 1 rank. On one device
+  the module's parameters are plain tensors (autoshard/runtime.py says why), so the optimizer
+  steps the same tensors on both sides.
 
 A step is forward + backward + AdamW (foreach=False on both sides) + zero_grad; ``fb`` is the
 forward + backward part alone. The host is shared and its load swings within seconds, so each
@@ -108,6 +110,7 @@ def _adamw(module):
 
 
 def two_rank_job(size: str, cluster_json: str, plans: dict[str, str], warmup: int, samples: int, steps: int) -> dict:
+    warnings.simplefilter("ignore")   # in the ranks too (torch's deprecation notices per collective)
     model, inputs = _model(size)
     cluster = autoshard.Cluster.from_json(cluster_json)
     mods = {}
@@ -126,6 +129,7 @@ def two_rank_job(size: str, cluster_json: str, plans: dict[str, str], warmup: in
 
 
 def one_rank_job(size: str, cluster_json: str, plan_json: str, warmup: int, samples: int, steps: int) -> dict:
+    warnings.simplefilter("ignore")
     model, inputs = _model(size)
     cluster = autoshard.Cluster.from_json(cluster_json)
     dm = autoshard.compile(model, cluster, inputs, plan=autoshard.Plan.from_json(plan_json))

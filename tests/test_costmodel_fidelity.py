@@ -125,6 +125,12 @@ def test_optimizer_time_by_hand():
             assert costmodel.optimizer_time(c, p, strategy) == pytest.approx(hand, rel=1e-12), name
             assert problem.cost[st][s] == pytest.approx(hand, rel=1e-12)
     assert any(isinstance(n, Storage) for n in problem.nodes)
+    # one device: the module's parameters are plain tensors (runtime.py), no DTensor dispatch
+    c2 = _calibrated(dtensor_op_overhead=7e-6)
+    one = Cluster((1,), device=c2.device, links=c2.links[:1], calibration=c2.calibration)
+    name, p = traced.params[0]
+    hand = 9 * 2e-6 + 7 * p.meta["val"].numel() * 4 / 2e10
+    assert costmodel.optimizer_time(one, p, p.meta[META_KEY].strategies[0]) == pytest.approx(hand, rel=1e-12)
 
 
 def test_a_frozen_parameter_has_no_optimizer_step():
