@@ -72,6 +72,14 @@ def resharding(cluster, src, dst, nbytes: float) -> list[Collective]:
     return out
 
 
+def communicates(src, dst) -> bool:
+    """Whether turning ``src`` into ``dst`` runs a collective (its result is then a new tensor;
+    a local slice of a replicated tensor may stay a view of it)."""
+    return src is not None and dst is not None and any(
+        a != b and not isinstance(a, Replicate) and not (isinstance(a, Partial) and isinstance(b, Partial))
+        for a, b in zip(src, dst))
+
+
 def resharding_time(cluster, src, dst, nbytes: float) -> float:
     return sum(c.time for c in resharding(cluster, src, dst, nbytes))
 

@@ -284,6 +284,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
                      micro_batches=problem.micro_batches,
                      storage={p: st for p, st in problem.storage.items() if p in cost})
     merged: dict[tuple, Edge] = {}
+    new_of: dict[Edge, Edge] = {}
     for e in problem.edges:
         anchor = e.src if e.kind == "grad" else e.dst
         blk = None if anchor is None else problem.block.get(r(anchor))
@@ -296,6 +297,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
             merged[key] = Edge(r(e.src), e.src_out, None if e.dst is None else r(e.dst), e.dst_in, e.nbytes,
                                e.fixed, e.kind, e.weight, e.aligned, e.slices, e.overlap, blk, e.kept,
                                e.reduce_nbytes)
+        new_of[e] = merged[key]
     shared.edges = list(merged.values())
 
     from autoshard.solver.memory import MemoryModel
@@ -321,6 +323,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
         if r(u) is not r(v):
             m.base_of[r(v)] = r(u)
     m.held = [(r(st), r(p), nbytes) for st, p, nbytes in mm.held]
+    m.view_edge = {r(v): new_of[e] for v, e in mm.view_edge.items() if r(v) in m.base_of}
 
     def expand(choice: dict, recompute: set) -> tuple[dict, set]:
         return ({v: choice[r(v)] for v in problem.nodes},

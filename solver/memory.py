@@ -25,7 +25,15 @@ obey Checkmate-style validity:
 
     keep_u + r_u >= 1        for every forward value u that backward reads
     keep_u + r_u >= r_v      for every forward input u of a recomputed v
-    keep_u >= keep_v         when v is a view of u (a saved view holds its base's memory)
+    keep_u >= keep_v - m_v   when v is a view of u (a saved view holds its base's memory)
+
+unless the plan reshards the view's input by a collective (m_v = sum_{q -> p moves} y[e,q,p] on its
+input edge e = 1): the view is then of a new tensor, the moved copy, which it holds instead of its
+base (what the runtime saves: :func:`resharded_view`), so the peak adds
+
+    c_v >= sum_{q -> p moves} b[e,p] y[e,q,p] - B_v (1 - keep_v),   c_v >= 0
+
+(b[e,p]: e's tensor's local bytes at p; B_v their largest).
 
 Recomputing v costs its compute again: sum_s c[v,s] j[v,s], j[v,s] = x[v,s] r_v in the same form,
 and the resharding of its inputs again (a parameter's gather for FSDP, a tensor-parallel
@@ -94,6 +102,7 @@ class MemoryModel:
     # a shared problem (formulation.share): a class node's terms sum its layer copies (1 when absent)
     copies: dict = field(default_factory=dict)
     alias: dict = field(default_factory=dict)  # class member -> its class node
+    view_edge: dict = field(default_factory=dict)  # view -> the edge from its base, where it may reshard
 
     @property
     def candidates(self) -> list[fx.Node]:
@@ -168,6 +177,8 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
                 if u in fwd_set:
                     needed.setdefault(u)
     mm.needed = list(needed)
+    mm.view_edge = {e.dst: e for e in problem.edges
+                    if e.kind == "input" and not e.aligned and e.dst is not None and mm.base_of.get(e.dst) is e.src}
     return mm
 
 
@@ -176,12 +187,24 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
-def saved_for_backward(mm: MemoryModel, recompute: set) -> list[fx.Node]:
-    """The forward nodes whose outputs stay in memory until backward (views resolved to their base)."""
+def resharded_view(mm: MemoryModel, v: fx.Node, choice: dict | None) -> float | None:
+    """Bytes of view v's own copy when the plan reshards its input (then the view is of a new
+    tensor, the resharded one, and holds that instead of its base); None when it aliases its base."""
+    e = mm.view_edge.get(v)
+    if e is None or choice is None:
+        return None
+    q = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
+    p = e.dst_in[choice[v]]
+    return mm.copies.get(v, 1) * costmodel.local_bytes(e.nbytes, p, mm.mesh_shape) if costmodel.communicates(q, p) else None
+
+
+def saved_for_backward(mm: MemoryModel, recompute: set, choice: dict | None = None) -> list[fx.Node]:
+    """The forward nodes whose outputs stay in memory until backward (views resolved to their
+    base, unless ``choice`` reshards the view's input: :func:`resharded_view`)."""
     saved: dict[fx.Node, None] = {}
 
     def hold(u: fx.Node) -> None:
-        while u in mm.base_of:          # a view keeps its base alive
+        while u in mm.base_of and resharded_view(mm, u, choice) is None:  # a view keeps its base alive
             u = mm.base_of[u]
         saved.setdefault(u)
 
@@ -272,6 +295,15 @@ def recompute_resharding(problem, cluster, choice: dict, recompute: set) -> floa
     return total
 
 
+def saved_bytes(mm: MemoryModel, choice: dict, recompute: set) -> dict[fx.Node, float]:
+    """Bytes of each output saved for backward under the plan."""
+    out = {}
+    for u in saved_for_backward(mm, recompute, choice):
+        own = resharded_view(mm, u, choice)
+        out[u] = own if own is not None else mm.act[u][choice[u]] if u in mm.act else 0.0
+    return out
+
+
 def working_copies(mm: MemoryModel, choice: dict, mesh_shape) -> float:
     """Bytes of the parameters gathered once per step and kept (working placement != storage)."""
     total = 0.0
@@ -288,7 +320,7 @@ def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set
     rows bound from above (its slack variables may sit anywhere below the limit)."""
     return {
         "state": sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape),
-        "activations": sum(mm.act[u][choice[u]] for u in saved_for_backward(mm, recompute) if u in mm.act),
+        "activations": sum(saved_bytes(mm, choice, recompute).values()),
         # replayed in backward: the recomputed values of the block whose backward runs
         "recomputed": recomputed_live(mm, choice, recompute),
         "transient": max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
@@ -303,7 +335,7 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
     from autoshard.passes.strategies import value_of
 
     state = sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape)
-    saved = set(saved_for_backward(mm, recompute))
+    saved = saved_bytes(mm, choice, recompute)
     replayed = {v for v in rematerialized(mm) if v in recompute and v in mm.act}
     size = {v: mm.act[v][choice[v]] / mm.copies.get(v, 1) for v in replayed}
     last_use: dict[fx.Node, fx.Node] = {}
@@ -315,7 +347,7 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
             if backward and u in replayed:
                 first_replay.setdefault(mm.block.get(u), n)
                 last_use[u] = n
-            while u in mm.base_of:
+            while u in mm.base_of and u not in saved:
                 u = mm.base_of[u]
             if u in saved:
                 last_use[u] = n
@@ -330,11 +362,10 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
     for n in graph.nodes:
         if n.op != "call_function" or n not in choice:
             continue
-        if n in saved:
-            live += mm.act[n][choice[n]]
+        live += saved.get(n, 0.0)
         live += sum(size[v] for v in starts.get(n, []))
         work = mm.work.get(n, [0.0] * (choice[n] + 1))[choice[n]]
         out.append((n.name, state + live + work))
         for u in frees.get(n, []):
-            live -= size[u] if u in replayed else mm.act[u][choice[u]]
+            live -= size[u] if u in replayed else saved[u]
     return out

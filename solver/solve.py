@@ -48,8 +48,19 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     for v in mm.recomputable:
         for u in mm.inputs_of[v]:
             solver.Add(avail(u) >= r[v])
-    for v, u in mm.base_of.items():  # saving a view holds its base: recomputing the base frees nothing
-        solver.Add(keep[u] >= keep[v])
+    # saving a view holds its base (recomputing the base frees nothing), or, when the plan
+    # reshards the view's input, the resharded copy instead (memory.py: resharded_view)
+    copied = []   # [(c_v, 1)]: the bytes of saved views of resharded copies
+    for v, u in mm.base_of.items():
+        e = mm.view_edge.get(v)
+        moved = [(var, mm.copies.get(v, 1) * costmodel.local_bytes(e.nbytes, p, mm.mesh_shape))
+                 for var, _, (q, p) in reshard_terms.get(e, []) if costmodel.communicates(q, p)]
+        solver.Add(keep[u] >= keep[v] - solver.Sum([var for var, _ in moved]))
+        if moved:
+            big = max(b for _, b in moved)
+            c = solver.NumVar(0, solver.infinity(), "")
+            solver.Add(c >= solver.Sum([var * (b / MB) for var, b in moved]) - big / MB * (1 - keep[v]))
+            copied.append((c, MB))
 
     # The products x[v,s] * r_v and x[v,s] * keep_v in their tight (convex-hull) form:
     #   z[v,s] <= x[v,s],  sum_s z[v,s] = b_v   (b = r or keep)  =>  z = x * b for binary x, b
@@ -86,12 +97,12 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
 
     # its inputs resharded again: w_e >= R_e - M_e (1 - r_v), w_e >= 0, charged in full (exposed)
     for e, e_terms in reshard_terms.items():
-        big = max((c for _, c in e_terms), default=0.0)   # one variable of an edge's terms is 1
+        big = max((c for _, c, _ in e_terms), default=0.0)   # one variable of an edge's terms is 1
         if e.kind != "input" or e.dst not in r or big <= 0:
             continue
         w = solver.NumVar(0, solver.infinity(), "")
         objective.SetCoefficient(w, 1.0)
-        solver.Add(w >= solver.Sum([var * c for var, c in e_terms]) - big * (1 - r[e.dst]))
+        solver.Add(w >= solver.Sum([var * c for var, c, _ in e_terms]) - big * (1 - r[e.dst]))
 
     # saved activations: sum_s act[v,s] x[v,s] keep_v
     saved_terms = []
@@ -120,7 +131,7 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
         solver.Add(t_rec >= solver.Sum([var * (c / MB) for var, c in start + rows]))
 
     state_terms = [term for v in mm.state for term in expr(mm.state, v)]
-    terms = state_terms + held + saved_terms + [(t_rec, MB), (t, MB)]
+    terms = state_terms + held + saved_terms + copied + [(t_rec, MB), (t, MB)]
     # peak <= limit
     solver.Add(solver.Sum([var * (c / MB) for var, c in terms]) <= mm.limit / MB)
     return _MemoryRows(r, terms)
@@ -147,7 +158,8 @@ class Solution:
 
 
 def _edge_cost(problem: Problem, e, x, reshard) -> tuple[list, list]:
-    """Objective terms of one edge, plus the flow rows' variables to add (flow form)."""
+    """Objective terms of one edge as [(x var, seconds, (source, destination placement))], or the
+    flow form's (source placements, destination placements, costs) to build."""
     src = {}
     for s in problem.allowed[e.src]:
         src.setdefault(problem.src_placement(e, s), []).append(s)
@@ -159,25 +171,15 @@ def _edge_cost(problem: Problem, e, x, reshard) -> tuple[list, list]:
             dst.setdefault(e.dst_in[s], []).append(s)
     r = {(q, p): e.weight * reshard(q, p, e.moved_bytes(q, p)) for q in src for p in dst}
     if e.dst is e.src:  # a block's output feeding the same class in the next block: one choice
-        return [(x[e.src, s], r[problem.src_placement(e, s), e.dst_in[s]]) for s in problem.allowed[e.src]], []
+        pairs = [(s, (problem.src_placement(e, s), e.dst_in[s])) for s in problem.allowed[e.src]]
+        return [(x[e.src, s], r[qp], qp) for s, qp in pairs], []
     if len(dst) == 1:
         (p,) = dst
-        return [(x[e.src, s], r[q, p]) for q, ss in src.items() for s in ss], []
+        return [(x[e.src, s], r[q, p], (q, p)) for q, ss in src.items() for s in ss], []
     if len(src) == 1:
         (q,) = src
-        return [(x[e.dst, s], r[q, p]) for p, ss in dst.items() for s in ss], []
+        return [(x[e.dst, s], r[q, p], (q, p)) for p, ss in dst.items() for s in ss], []
     return [], [(src, dst, r)]
-
-
-def _pairs(problem: Problem, e, x):
-    """(x var, (source placement, destination placement)) of an edge whose one side has a single
-    placement: the variables of the other side."""
-    srcs = {problem.src_placement(e, s) for s in problem.allowed[e.src]}
-    if len(srcs) == 1:
-        (q,) = srcs
-        return [(x[e.dst, s], (q, e.dst_in[s])) for s in problem.allowed[e.dst]]
-    (p,) = {e.dst_in[s] for s in problem.allowed[e.dst]}
-    return [(x[e.src, s], (problem.src_placement(e, s), p)) for s in problem.allowed[e.src]]
 
 
 def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_limit: float = 60.0,
@@ -250,30 +252,23 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
             objective.SetCoefficient(var, objective.GetCoefficient(var) + c)
 
     held = []  # a parameter's working copy, when its working placement is not its storage
-    reshard_terms: dict = {}  # edge -> [(var, microseconds)]
+    reshard_terms: dict = {}  # edge -> [(var, microseconds, (source, destination placement))]
     for e in problem.edges:
         if e.aligned:
             continue
         terms, flows = _edge_cost(problem, e, x, reshard)
-        for var, c in terms:
-            charge(e, var, c * US)
-            reshard_terms.setdefault(e, []).append((var, c * US))
-        if e.kind == "gather" and not flows:  # one side has one placement: the copy is linear in x
-            for var, (q, p) in _pairs(problem, e, x):
-                if q != p:
-                    held.append((var, e.weight * costmodel.local_bytes(e.kept, p, cluster.mesh_shape)))
         for src, dst, r in flows:
             y = {(q, p): solver.NumVar(0, 1, "") for q in src for p in dst}
-            if e.kind == "gather":
-                held += [(var, e.weight * costmodel.local_bytes(e.kept, p, cluster.mesh_shape))
-                         for (q, p), var in y.items() if q != p]
-            for (q, p), var in y.items():
-                charge(e, var, r[q, p] * US)
-                reshard_terms.setdefault(e, []).append((var, r[q, p] * US))
+            terms += [(var, r[qp], qp) for qp, var in y.items()]
             for q, ss in src.items():
                 solver.Add(solver.Sum([y[q, p] for p in dst]) == solver.Sum([x[e.src, s] for s in ss]))
             for p, ss in dst.items():
                 solver.Add(solver.Sum([y[q, p] for q in src]) == solver.Sum([x[e.dst, s] for s in ss]))
+        for var, c, (q, p) in terms:
+            charge(e, var, c * US)
+            reshard_terms.setdefault(e, []).append((var, c * US, (q, p)))
+            if e.kind == "gather" and q != p:  # the working copy, kept for the step
+                held.append((var, e.weight * costmodel.local_bytes(e.kept, p, cluster.mesh_shape)))
 
     # E_b >= comm_b - a * compute_b, E_b >= 0
     members: dict[object, list] = {}
