@@ -48,14 +48,14 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     for v in mm.recomputable:
         for u in mm.inputs_of[v]:
             solver.Add(avail(u) >= r[v])
-    # saving a view holds its base (recomputing the base frees nothing), or, when the plan
-    # reshards the view's input, the resharded copy instead (memory.py: resharded_view)
-    copied = []   # [(c_v, 1)]: the bytes of saved views of resharded copies
+    # saving a view holds its base (recomputing the base frees nothing); when the plan moves the
+    # view's input by a collective, the view holds the moved copy (memory.py: resharded_view)
+    copied = []   # [(c_v, MB)]: the bytes of saved views of moved copies
     for v, u in mm.base_of.items():
+        solver.Add(keep[u] >= keep[v])
         e = mm.view_edge.get(v)
         moved = [(var, mm.copies.get(v, 1) * costmodel.local_bytes(e.nbytes, p, mm.mesh_shape))
                  for var, _, (q, p) in reshard_terms.get(e, []) if costmodel.communicates(q, p)]
-        solver.Add(keep[u] >= keep[v] - solver.Sum([var for var, _ in moved]))
         if moved:
             big = max(b for _, b in moved)
             c = solver.NumVar(0, solver.infinity(), "")
