@@ -60,6 +60,7 @@ plans runs with ``autoshard.compile(model, cluster, inputs, plan=plans[name])``.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -239,11 +240,19 @@ def allow_for(traced: TracedModel, roles: tuple[str, ...]):
 
 # --- planning ----------------------------------------------------------------------------------
 def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, recompute: bool | str = False,
-                  **kwargs) -> Plan:
+                  _solved: dict | None = None, **kwargs) -> Plan:
     """The fastest plan of baseline ``name`` ("fsdp", or "fsdp+recompute" for full recompute)
     over its grids; ``kwargs`` go to :func:`autoshard.plan`. Raises InfeasibleError when no grid
-    fits (or the baseline cannot be expressed on this cluster or batch)."""
+    fits (or the baseline cannot be expressed on this cluster or batch). ``plan.stats["meshes"]``
+    gives each grid's step time (None: no plan) and ``plan.stats["mesh_errors"]`` why
+    (:func:`autoshard.meshes.failure`; "time_limit": that grid was not priced).
+
+    ``_solved`` (:func:`compare`'s, for calls with the same model, cluster and ``kwargs``) holds
+    the outcome of each (grid, dim names, roles, recompute) solved so far: two baselines that
+    coincide on a grid (megatron and tp_fsdp at t = G on one node: both (tp,) on (G,)) are one
+    problem, solved once."""
     from autoshard.api import plan, trace
+    from autoshard.meshes import failure
 
     base, _, suffix = name.partition("+")
     if base not in BASELINES or suffix not in ("", "recompute"):
@@ -252,24 +261,27 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
     if suffix:
         recompute = "full"
     traced = model if isinstance(model, TracedModel) else trace(model, example_inputs)
-    best, errors, tried = None, [], {}
+    best, errors, tried, why = None, [], {}, {}
     grids = logical_meshes(base, cluster)
+    solved = {} if _solved is None else _solved
     for shape, names, roles in grids:
         key = ",".join(f"{n}={p}" for n, p in zip(names, shape))  # one shape can carry two role sets
-        try:
-            p = plan(traced, cluster.with_mesh(shape, names), allow=allow_for(traced, roles),
-                     recompute=recompute, **kwargs)
-        except ConstraintError as exc:  # the hand strategy cannot be written on this grid or batch
-            errors.append(InfeasibleError(f"{name} on mesh {shape}: {exc}"))
-            tried[key] = None
-            continue
-        except InfeasibleError as exc:
-            errors.append(InfeasibleError(f"{name} on mesh {shape}: {exc}", min_memory=exc.min_memory))
-            tried[key] = None
-            continue
-        except SolverError as exc:  # no solution within time_limit: this grid is not priced
-            errors.append(SolverError(f"{name} on mesh {shape}: {exc}"))
-            tried[key] = None
+        problem = (shape, names, roles, recompute)
+        if problem not in solved:
+            try:
+                solved[problem] = plan(traced, cluster.with_mesh(shape, names), allow=allow_for(traced, roles),
+                                       recompute=recompute, **kwargs)
+            except (ConstraintError, InfeasibleError, SolverError) as exc:
+                solved[problem] = exc
+        p = solved[problem]
+        if isinstance(p, Exception):
+            tried[key], why[key] = None, failure(p)
+            if isinstance(p, ConstraintError):  # the hand strategy cannot be written on this grid or batch
+                errors.append(InfeasibleError(f"{name} on mesh {shape}: {p}"))
+            elif isinstance(p, InfeasibleError):
+                errors.append(InfeasibleError(f"{name} on mesh {shape}: {p}", min_memory=p.min_memory))
+            else:  # no solution within time_limit: this grid is not priced
+                errors.append(SolverError(f"{name} on mesh {shape}: {p}"))
             continue
         tried[key] = p.step_time
         if best is None or p.step_time < best.step_time:
@@ -282,7 +294,8 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
         if not infeasible:
             raise errors[0]
         raise min(infeasible, key=lambda e: math.inf if e.min_memory is None else e.min_memory)
-    best.stats.update(baseline=name, meshes=tried)
+    best = copy.copy(best)  # a solved grid may be shared with another baseline (_solved): own stats
+    best.stats = dict(best.stats, baseline=name, meshes=tried, mesh_errors=why)
     return best
 
 
@@ -300,13 +313,14 @@ def compare(model, cluster: Cluster, example_inputs=None, *, memory_limit: float
     traced = model if isinstance(model, TracedModel) else trace(model, example_inputs)
     names = baselines if baselines is not None else [b + s for b in BASELINES for s in RECOMPUTE]
     out: dict[str, Plan | InfeasibleError] = {}
+    solved: dict = {}  # grids two baselines share are solved once (plan_baseline's _solved)
     try:
         out["auto"] = plan(traced, cluster, memory_limit=memory_limit, meshes=meshes, **kwargs)
     except (InfeasibleError, SolverError) as exc:
         out["auto"] = exc
     for name in names:
         try:
-            out[name] = plan_baseline(traced, cluster, name, memory_limit=memory_limit, **kwargs)
+            out[name] = plan_baseline(traced, cluster, name, memory_limit=memory_limit, _solved=solved, **kwargs)
         except (InfeasibleError, SolverError) as exc:
             out[name] = exc
     return out

@@ -121,10 +121,11 @@ def plan_over(plan_one, traced, cluster: Cluster, meshes, **kwargs):
     ``plan_one(traced, logical_cluster, **kwargs)`` and keep the fastest predicted step (ties: the
     earlier candidate, so the physical mesh wins a tie). ``plan.stats["meshes"]`` lists every
     candidate's step time (None: infeasible, or no solution within ``time_limit``; a pruned 3-D
-    candidate also when its data dim cannot split the batch) and
+    candidate also when its data dim cannot split the batch), ``plan.stats["mesh_errors"]`` why
+    each None is None (:func:`failure`: a "time_limit" mesh was not priced, not proven worse) and
     ``plan.stats["mesh_seconds"]`` what each took to plan. If none fits, raises the
     InfeasibleError whose ``min_memory`` is smallest."""
-    best, tried, errors, seconds = None, {}, [], {}
+    best, tried, errors, seconds, why = None, {}, [], {}, {}
     for shape, names in _normalize(cluster, meshes):
         logical = cluster.with_mesh(shape, names)
         start = time.perf_counter()
@@ -136,12 +137,14 @@ def plan_over(plan_one, traced, cluster: Cluster, meshes, **kwargs):
         except (InfeasibleError, SolverError) as exc:  # this grid has no plan: the others may
             seconds[str(shape)] = time.perf_counter() - start
             tried[str(shape)] = None
+            why[str(shape)] = failure(exc)
             errors.append(exc)
             continue
-        except ConstraintError:  # the pruned grid cannot split this batch over its data dim
+        except ConstraintError as exc:  # the pruned grid cannot split this batch over its data dim
             if names != DATA_NAMES:
                 raise
             tried[str(shape)] = None
+            why[str(shape)] = failure(exc)
             continue
         seconds[str(shape)] = time.perf_counter() - start
         tried[str(shape)] = p.step_time
@@ -152,5 +155,14 @@ def plan_over(plan_one, traced, cluster: Cluster, meshes, **kwargs):
         if not infeasible:
             raise errors[0]
         raise min(infeasible, key=lambda e: math.inf if e.min_memory is None else e.min_memory)
-    best.stats.update(meshes=tried, mesh_seconds=seconds)
+    best.stats.update(meshes=tried, mesh_seconds=seconds, mesh_errors=why)
     return best
+
+
+def failure(exc: Exception) -> str:
+    """Why a logical mesh has no plan, in one word: "time_limit" (a SolverError: no plan within
+    ``time_limit``, so that mesh was not priced), "infeasible" (nothing fits the memory limit) or
+    "constraint" (the grid cannot express the strategy or split the batch)."""
+    if isinstance(exc, SolverError):
+        return "time_limit"
+    return "infeasible" if isinstance(exc, InfeasibleError) else "constraint"

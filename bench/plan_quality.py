@@ -19,6 +19,10 @@ multiple of the device count (one sample per device at least).
 
 A model is a key of MODELS or any zoo name[:size]. Cases run one after another and each row is
 printed (and the JSON rewritten) as it finishes, so a long run can be stopped at any point.
+
+A solve that finds no plan within --time-limit leaves its mesh or grid unpriced: each plan's
+``mesh_errors`` says "time_limit" for it and the row's ``time_limited`` (the table's last column:
+plan:count) lists them, so a ratio that rests on an unpriced mesh is visible as such.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ def _row(plan) -> dict:
             "mesh": list(plan.mesh_shape), "status": plan.solver["status"],
             # per logical mesh tried: step ms (None: no plan) and seconds to plan
             "meshes": {k: v and v * 1e3 for k, v in plan.stats.get("meshes", {}).items()},
+            # why a mesh above has no plan: "time_limit" (not priced), "infeasible", "constraint"
+            "mesh_errors": plan.stats.get("mesh_errors", {}),
             "mesh_seconds": plan.stats.get("mesh_seconds", {})}
 
 
@@ -108,6 +114,12 @@ def run_case(model_spec: str, cluster_name: str, baselines, time_limit: float,
            "batch": int(inputs[0].shape[0]), "memory_limit_gb": (limit or cluster.memory_limit) / 1e9,
            "tight": cluster_name in TIGHT, "plans": {k: _row(p) for k, p in plans.items()},
            "seconds": time.perf_counter() - t0}
+    # every solve that ran out of time_limit without a plan (its mesh or grid was not priced):
+    # plan -> meshes; a ratio over 1.00 next to a free-plan entry here is a time-limit artefact
+    row["time_limited"] = {k: [m for m, why in (p.get("mesh_errors") or {}).items() if why == "time_limit"]
+                           or (["all"] if p.get("error") == "SolverError" else [])
+                           for k, p in row["plans"].items()}
+    row["time_limited"] = {k: v for k, v in row["time_limited"].items() if v}
     best = best_baseline(plans)
     free = plans["auto"]
     row["best_baseline"] = best and best[0]
@@ -129,7 +141,7 @@ def table(rows: list[dict]) -> None:
 
     t = Table(title="plan quality: free plan vs best baseline (predicted)")
     for col in ("model", "cluster", "world", "free ms", "free mesh", "free GB", "free MFU", "best baseline",
-                "baseline ms", "baseline mesh", "baseline GB", "baseline MFU", "ratio", "s"):
+                "baseline ms", "baseline mesh", "baseline GB", "baseline MFU", "ratio", "s", "time-limited"):
         t.add_column(col)
     for r in rows:
         free, best = r["plans"]["auto"], r["plans"].get(r["best_baseline"] or "", {})
@@ -139,7 +151,9 @@ def table(rows: list[dict]) -> None:
                   str(r["best_baseline"]), fmt(best, "step_ms", "{:.2f}") if best else "-",
                   str(tuple(best.get("mesh", ()))) if best else "-",
                   fmt(best, "peak_gb", "{:.1f}") if best else "-", fmt(best, "mfu", "{:.3f}") if best else "-",
-                  f"{r['ratio']:.3f}" if r.get("ratio") else "-", f"{r['seconds']:.0f}")
+                  f"{r['ratio']:.3f}" if r.get("ratio") else "-", f"{r['seconds']:.0f}",
+                  # solves with no plan within the time limit: the free plan's meshes, then baselines
+                  " ".join(f"{k}:{len(v)}" for k, v in r.get("time_limited", {}).items()) or "-")
     Console(width=220).print(t)
 
 

@@ -126,6 +126,26 @@ def test_best_grid_is_kept():
     assert p.step_time == min(t for t in p.stats["meshes"].values() if t is not None)
 
 
+def test_grid_two_baselines_share_is_solved_once(monkeypatch):
+    """On one node megatron and tp_fsdp coincide at t = G: both are (tp,) on (G,), one problem."""
+    import autoshard.api
+
+    torch.manual_seed(0)
+    traced = autoshard.trace(MLP(), (torch.randn(64, 32), torch.randn(64, 16)))
+    cluster = _cluster(1, 4)
+    alone = {b: plan_baseline(traced, cluster, b, time_limit=60) for b in ("megatron", "tp_fsdp")}
+    solves, real = [], autoshard.api.plan
+    monkeypatch.setattr(autoshard.api, "plan",
+                        lambda *a, **k: solves.append(k.get("allow") is not None) or real(*a, **k))
+    plans = compare(traced, cluster, baselines=["megatron", "tp_fsdp"], meshes=[(1, 4)], time_limit=60)
+    grids = [g for b in ("megatron", "tp_fsdp") for g in logical_meshes(b, cluster)]
+    assert len(grids) == 4 and len(set(grids)) == 3
+    assert solves.count(True) == 3                     # baseline solves: the free plan's have no allow
+    for b, p in alone.items():
+        assert plans[b].step_time == p.step_time and plans[b].stats["meshes"] == p.stats["meshes"]
+        assert plans[b].stats["baseline"] == b and plans[b].stats["mesh_errors"] == {}
+
+
 def test_infeasible_baseline_is_reported_not_dropped():
     torch.manual_seed(0)
     model = MLP((256, 1024, 1024, 256))

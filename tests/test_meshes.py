@@ -104,6 +104,17 @@ def test_auto_plans_every_candidate_and_keeps_the_fastest(mlp, pruned):
     alone = autoshard.plan(traced, cluster, time_limit=60)
     assert free.stats["meshes"]["(2, 4)"] == pytest.approx(alone.step_time)
     assert free.stats["meshes"]["(2, 2, 2)"] == pytest.approx(pruned.step_time)
+    # a mesh without a plan says why; every one here was priced
+    assert set(free.stats["mesh_errors"]) == {k for k, v in free.stats["meshes"].items() if v is None}
+
+
+def test_failure_names_why_a_mesh_has_no_plan():
+    from autoshard.errors import ConstraintError, InfeasibleError, SolverError
+    from autoshard.meshes import failure
+
+    assert failure(SolverError("HIGHS found no plan within 120s")) == "time_limit"
+    assert failure(InfeasibleError("no plan fits", min_memory=1.0)) == "infeasible"
+    assert failure(ConstraintError("batch 3 over 2")) == "constraint"
 
 
 def test_auto_2d_skips_only_the_3d_candidates(mlp):
