@@ -189,15 +189,19 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+def moved_copy(mm: MemoryModel, v: fx.Node, q, p) -> float | None:
+    """Bytes view v holds of its own when its input moves from placement q to p: a collective's
+    result is a new tensor, which the view holds instead of its base; None when it aliases its base."""
+    e = mm.view_edge[v]
+    return mm.copies.get(v, 1) * costmodel.local_bytes(e.nbytes, p, mm.mesh_shape) if costmodel.communicates(q, p) else None
+
+
 def resharded_view(mm: MemoryModel, v: fx.Node, choice: dict | None) -> float | None:
-    """Bytes of view v's own copy when the plan reshards its input (then the view is of a new
-    tensor, the resharded one, and holds that instead of its base); None when it aliases its base."""
+    """:func:`moved_copy` under the plan ``choice``."""
     e = mm.view_edge.get(v)
     if e is None or choice is None:
         return None
-    q = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
-    p = e.dst_in[choice[v]]
-    return mm.copies.get(v, 1) * costmodel.local_bytes(e.nbytes, p, mm.mesh_shape) if costmodel.communicates(q, p) else None
+    return moved_copy(mm, v, e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out], e.dst_in[choice[v]])
 
 
 def saved_for_backward(mm: MemoryModel, recompute: set, choice: dict | None = None) -> list[fx.Node]:

@@ -33,9 +33,10 @@ class _MemoryRows:
 def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: list,
                  reshard_terms: dict) -> _MemoryRows:
     """The memory block of DESIGN.md's ILP (formulas in solver/memory.py); ``held``: the working
-    copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds)]
-    (before overlap), for charging a recomputed node's input moves again."""
-    from autoshard.solver.memory import backward_start_reads, rematerialized
+    copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds,
+    (source, destination placement))] (before overlap), for charging a recomputed node's input
+    moves again and a saved view's moved copy."""
+    from autoshard.solver.memory import backward_start_reads, moved_copy, rematerialized
 
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
     r = {v: solver.NumVar(1, 1, "") if mm.recompute_all else solver.BoolVar("") for v in mm.recomputable}
@@ -53,9 +54,8 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     copied = []   # [(c_v, MB)]: the bytes of saved views of moved copies
     for v, u in mm.base_of.items():
         solver.Add(keep[u] >= keep[v])
-        e = mm.view_edge.get(v)
-        moved = [(var, mm.copies.get(v, 1) * costmodel.local_bytes(e.nbytes, p, mm.mesh_shape))
-                 for var, _, (q, p) in reshard_terms.get(e, []) if costmodel.communicates(q, p)]
+        moved = [(var, b) for var, _, (q, p) in reshard_terms.get(mm.view_edge.get(v), [])
+                 for b in [moved_copy(mm, v, q, p)] if b is not None]
         if moved:
             big = max(b for _, b in moved)
             c = solver.NumVar(0, solver.infinity(), "")
