@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mi
             traced = trace(model_or_traced, example_inputs, mixed_precision=mixed_precision)
     mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
     with progress.stage("strategies"):
-        fallbacks = find_strategies(traced.gm, mesh, strict=strict)
+        fallbacks = find_strategies(traced.gm, mesh, strict=strict, memo=traced.strategy_memo)
     return traced, fallbacks
 
 
@@ -155,6 +156,10 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
     try:
         with progress.stage("solving"):
             solution = run(limit)
+        if solution.status != "optimal":
+            warnings.warn(f"autoshard: the solver stopped at time_limit={time_limit:g}s with a plan within "
+                          f"{solution.gap:.1%} of the best possible; raise time_limit for one proven within 0.1%",
+                          stacklevel=3)
         solution.timeline = timeline(mm, traced.gm.graph, solution.choice, solution.recompute)
         return problem, solution, limit
     except InfeasibleError:

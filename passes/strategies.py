@@ -276,11 +276,39 @@ def _strategies(node: fx.Node, mesh, mesh_shape, rep) -> tuple[list[Strategy], s
     return strategies, reason
 
 
-def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False) -> list[tuple[str, str]]:
-    """Fill ``node.meta["autoshard.strategies"]``; returns the (node, reason) fallbacks."""
+def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dict | None = None) -> list[tuple[str, str]]:
+    """Fill ``node.meta["autoshard.strategies"]``; returns the (node, reason) fallbacks.
+
+    ``memo`` (a dict kept with the graph: ``TracedModel.strategy_memo``) holds each mesh shape's
+    result, so planning the same graph again on a mesh of that shape (a baseline, another logical
+    mesh, another memory cap) does not enumerate again: strategies depend on the mesh's shape only."""
     from autoshard.passes import rules  # noqa: F401 - registers autoshard's own rules
 
     mesh_shape = tuple(mesh.shape)
+    if memo is not None and mesh_shape in memo:
+        found, fallbacks = memo[mesh_shape]
+        for node, ns in found.items():
+            node.meta[META_KEY] = ns
+    else:
+        fallbacks = _enumerate_graph(gm, mesh, mesh_shape)
+        if memo is not None:
+            while len(memo) >= MEMO_SHAPES:
+                memo.pop(next(iter(memo)))
+            memo[mesh_shape] = ({n: n.meta[META_KEY] for n in gm.graph.nodes if META_KEY in n.meta}, fallbacks)
+    if strict and fallbacks:
+        name, reason = fallbacks[0]
+        raise NoShardingRuleError(f"node {name}: {reason}. Register a rule with "
+                                  f"torch.distributed.tensor's register_sharding or pass strict=False "
+                                  f"to plan it replicated.")
+    for name, reason in fallbacks:
+        warnings.warn(f"autoshard: {name} planned replicated: {reason}", stacklevel=3)
+    return list(fallbacks)
+
+
+MEMO_SHAPES = 8   # mesh shapes a memo keeps (a plan over logical meshes tries a handful)
+
+
+def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, str]]:
     rep = tuple([Replicate()] * mesh.ndim)
     cache: dict = {}
     fallbacks: list[tuple[str, str]] = []
@@ -309,12 +337,6 @@ def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False) -> list[t
             if key is not None:
                 cache[key] = (strategies, reason)
         if reason is not None:
-            if strict:
-                raise NoShardingRuleError(f"node {node.name}: {reason}. Register a rule with "
-                                          f"torch.distributed.tensor's register_sharding or pass strict=False "
-                                          f"to plan it replicated.")
             fallbacks.append((node.name, reason))
         node.meta[META_KEY] = NodeStrategies(strategies, reason)
-    for name, reason in fallbacks:
-        warnings.warn(f"autoshard: {name} planned replicated: {reason}", stacklevel=3)
     return fallbacks

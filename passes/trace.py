@@ -43,6 +43,8 @@ class TracedModel:
     input_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     fingerprint: str = ""
     trace_time: float = 0.0                    # seconds spent tracing and annotating
+    # mesh shape -> its strategies (passes.strategies.find_strategies): planned again, not re-enumerated
+    strategy_memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def _fake_like(fake_mode, t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,11 @@
                                                      values recomputed in backward: from its
                                                      start (g = x a, a below), or while their
                                                      block's backward runs (j = x r)
-         + T,  T >= sum_s work[v,s] x[v,s]  (all v)  the largest op's working set
+         + T,  T >= sum_s work[v,s] x[v,s]  (all v)  the largest op's working set: its
+                                                     outputs and the inputs no other term holds
+                                                     (not parameters, buffers or the batch; in
+                                                     backward not the forward values it reads,
+                                                     which are saved or recomputed)
          <= limit
 
 where k[v,s] = x[v,s] keep_v, written in its tight (convex-hull) form: k[v,s] <= x[v,s],
@@ -82,7 +86,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import costmodel
-from autoshard.passes.annotate import META_KEY as COST_KEY, is_free
+from autoshard.passes.annotate import META_KEY as COST_KEY, is_free, tensor_bytes
 from autoshard.passes.coarsen import LAYER_KEY
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 
@@ -157,10 +161,15 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
 
     fwd = [v for v in problem.nodes if v.op == "call_function" and v.meta[COST_KEY].phase == "fwd"]
     fwd_set = set(fwd)
+    stateful = {node for _, node in [*traced.params, *traced.buffers]} | set(traced.inputs)
     for v in problem.nodes:
         if v.op == "call_function":
-            cost = v.meta[COST_KEY]
-            mm.work[v] = [cost.bytes / s.shards for s in v.meta[META_KEY].strategies]
+            # inputs counted elsewhere stay out of the op's working set: parameters, buffers and
+            # the batch (state), and in backward the forward values it reads (saved or recomputed)
+            backward = v.meta[COST_KEY].phase == "bwd"
+            own = v.meta[COST_KEY].bytes - sum(tensor_bytes(a.meta.get("val")) for a in v.all_input_nodes
+                                               if _base(a) in stateful or backward and _phase(_base(a)) == "fwd")
+            mm.work[v] = [own / s.shards for s in v.meta[META_KEY].strategies]
     for v in fwd:
         free = is_free(v)
         mm.act[v] = [0.0] * len(v.meta[META_KEY].strategies) if free else _local_outputs(v, mesh)
@@ -182,6 +191,20 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     mm.view_edge = {e.dst: e for e in problem.edges
                     if e.kind == "input" and not e.aligned and e.dst is not None and mm.base_of.get(e.dst) is e.src}
     return mm
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The tensor whose storage ``node`` reads: through getitems and views (backward's transpose
+    of a saved input is that input)."""
+    u = _producer(node)
+    while u.op == "call_function" and is_free(u) and tensor_inputs(u):
+        u = _producer(tensor_inputs(u)[0])
+    return u
+
+
+def _phase(node: fx.Node) -> str | None:
+    cost = node.meta.get(COST_KEY)
+    return cost.phase if cost is not None and node.op == "call_function" else None
 
 
 def _is_random(node: fx.Node) -> bool:

@@ -1,8 +1,12 @@
-"""solve: the ILP of formulation.py with OR-Tools (HiGHS through pywraplp), deterministically.
+"""solve: the ILP of formulation.py with OR-Tools, deterministically.
 
 HiGHS is the default backend (on random Alpa-style problems it reached the optimum where CBC and
-SCIP left gaps). Times enter the model in microseconds so coefficients stay well scaled; one
-thread and a fixed seed make the same problem give the same answer.
+SCIP left gaps). The model is built with pywraplp (its SWIG builder is 2-3x faster than MathOpt's
+Python one) and HiGHS runs under MathOpt: pywraplp's HiGHS bridge (OR-Tools 9.15) drops the best
+plan found when the time limit stops the search (status 99; or-tools issues 5016 and 5372), and
+ignores the gap and thread options. Other backends (SCIP, CBC, ...) solve through pywraplp.
+Times enter the model in microseconds so coefficients stay well scaled; one thread and a fixed
+seed make the same problem give the same answer.
 """
 
 from __future__ import annotations
@@ -11,9 +15,16 @@ import functools
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.fx as fx
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2, pywraplp
+from ortools.math_opt import model_pb2, result_pb2
+from ortools.math_opt.core.python import solver as mathopt_core
+from ortools.math_opt.python import mathopt
+from ortools.math_opt.python.callback import CallbackRegistration
+from ortools.math_opt.python.init_arguments import StreamableSolverInitArguments
+from ortools.math_opt.python.model_parameters import ModelSolveParameters
 
 from autoshard import costmodel
 from autoshard.errors import InfeasibleError, SolverError
@@ -199,11 +210,6 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     log = bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))  # solver progress, for diagnosing slow solves
     solver.EnableOutput() if log else solver.SuppressOutput()
     solver.SetNumThreads(1)
-    if backend == "HIGHS":
-        # pywraplp's HiGHS interface drops MPSolverParameters (the gap), the thread count and the
-        # banner switch; HiGHS reads its own options from this string when it solves
-        solver.SetSolverSpecificParametersAsString(
-            f"mip_rel_gap={mip_gap!r}\nthreads=1\n" + ("" if log else "output_flag=false\n"))
     solver.SetTimeLimit(int(time_limit * 1000))
     objective = solver.Objective()
 
@@ -288,23 +294,90 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         for var, coef in mem.terms:
             objective.SetCoefficient(var, objective.GetCoefficient(var) + coef / MB)
     objective.SetMinimization()
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
-    status = solver.Solve(params)
+    run = _run_highs if backend == "HIGHS" else _run_pywraplp
+    status, value, found, bound = run(solver, time_limit, mip_gap, log)
     elapsed = time.perf_counter() - start
-    if status == pywraplp.Solver.INFEASIBLE:
+    if status == "infeasible":
         raise InfeasibleError("no plan satisfies the constraints and the memory limit")
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise SolverError(f"{backend} found no plan within {time_limit:.0f}s (status {status}); raise time_limit")
+    if status not in ("optimal", "feasible"):
+        raise SolverError(f"{backend} found no plan within {time_limit:.0f}s ({status}); raise time_limit")
     choice = {}
     for v in problem.nodes:
         allowed = problem.allowed[v]
-        choice[v] = max(allowed, key=lambda s: x[v, s].solution_value())
+        choice[v] = max(allowed, key=lambda s: value(x[v, s]))
     recompute, breakdown = set(), {}
     if mem is not None:
-        recompute = {v for v, var in mem.r.items() if var.solution_value() > 0.5}
+        recompute = {v for v, var in mem.r.items() if value(var) > 0.5}
         breakdown = predicted_memory(memory, choice, recompute)
     scale = US if minimize == "time" else 1 / MB
-    return Solution(choice, recompute, breakdown, objective.Value() / scale, objective.BestBound() / scale,
-                    "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", elapsed, backend,
+    return Solution(choice, recompute, breakdown, found / scale, bound / scale, status, elapsed, backend,
                     solver.NumVariables(), solver.NumConstraints())
+
+
+def _run_pywraplp(solver, time_limit: float, mip_gap: float, log: bool):
+    """(status, variable -> value, objective, best bound) from pywraplp's own solve."""
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
+    code = solver.Solve(params)
+    status = {pywraplp.Solver.OPTIMAL: "optimal", pywraplp.Solver.FEASIBLE: "feasible",
+              pywraplp.Solver.INFEASIBLE: "infeasible"}.get(code, f"status {code}")
+    objective = solver.Objective()
+    if status not in ("optimal", "feasible"):
+        return status, None, None, None
+    return status, lambda var: var.solution_value(), objective.Value(), objective.BestBound()
+
+
+def _run_highs(solver, time_limit: float, mip_gap: float, log: bool):
+    """:func:`_run_pywraplp` with HiGHS under MathOpt: at the time limit, the best plan found so
+    far is returned ("feasible", with HiGHS's bound) instead of none."""
+    mp = linear_solver_pb2.MPModelProto()
+    solver.ExportModelToProto(mp)
+    params = mathopt.SolveParameters(time_limit=timedelta(seconds=time_limit), relative_gap_tolerance=mip_gap,
+                                     random_seed=0, enable_output=log)
+    params.highs.int_options["threads"] = 1   # MathOpt leaves HiGHS's thread count to HiGHS's options
+    # the proto-level solve: MathOpt's Python Model would rebuild the model that pywraplp built
+    result = mathopt_core.solve(_mathopt_model(mp), mathopt.SolverType.HIGHS.value,
+                                StreamableSolverInitArguments().to_proto(), params.to_proto(),
+                                ModelSolveParameters().to_proto(), None, CallbackRegistration().to_proto(), None, None)
+    reason = result.termination.reason
+    # the objective is bounded below (every cost is >= 0), so "infeasible or unbounded" is infeasible
+    if reason in (result_pb2.TERMINATION_REASON_INFEASIBLE, result_pb2.TERMINATION_REASON_INFEASIBLE_OR_UNBOUNDED):
+        return "infeasible", None, None, None
+    if reason not in (result_pb2.TERMINATION_REASON_OPTIMAL, result_pb2.TERMINATION_REASON_FEASIBLE) \
+            or not result.solutions or not result.solutions[0].HasField("primal_solution"):
+        detail = result_pb2.TerminationReasonProto.Name(reason).removeprefix("TERMINATION_REASON_").lower()
+        return f"{detail}{': ' + result.termination.detail if result.termination.detail else ''}", None, None, None
+    primal = result.solutions[0].primal_solution
+    values = [0.0] * len(mp.variable)
+    for i, v in zip(primal.variable_values.ids, primal.variable_values.values):
+        values[i] = v
+    status = "optimal" if reason == result_pb2.TERMINATION_REASON_OPTIMAL else "feasible"
+    return status, lambda var: values[var.index()], primal.objective_value, result.termination.objective_bounds.dual_bound
+
+
+def _mathopt_model(mp) -> "model_pb2.ModelProto":
+    """pywraplp's model as MathOpt's proto (same variable and row order: ids are indices)."""
+    m = model_pb2.ModelProto()
+    var, rows = mp.variable, mp.constraint
+    m.variables.ids.extend(range(len(var)))
+    m.variables.lower_bounds.extend([v.lower_bound for v in var])
+    m.variables.upper_bounds.extend([v.upper_bound for v in var])
+    m.variables.integers.extend([v.is_integer for v in var])
+    coef = [(i, v.objective_coefficient) for i, v in enumerate(var) if v.objective_coefficient]
+    m.objective.linear_coefficients.ids.extend([i for i, _ in coef])
+    m.objective.linear_coefficients.values.extend([c for _, c in coef])
+    m.objective.maximize, m.objective.offset = mp.maximize, mp.objective_offset
+    m.linear_constraints.ids.extend(range(len(rows)))
+    m.linear_constraints.lower_bounds.extend([c.lower_bound for c in rows])
+    m.linear_constraints.upper_bounds.extend([c.upper_bound for c in rows])
+    row_ids, col_ids, vals = [], [], []
+    for k, c in enumerate(rows):
+        entries = sorted(zip(c.var_index, c.coefficient))   # MathOpt wants row-major order
+        row_ids.extend([k] * len(entries))
+        col_ids.extend([j for j, _ in entries])
+        vals.extend([a for _, a in entries])
+    matrix = m.linear_constraint_matrix
+    matrix.row_ids.extend(row_ids)
+    matrix.column_ids.extend(col_ids)
+    matrix.coefficients.extend(vals)
+    return m

@@ -238,9 +238,9 @@ def test_plan_decisions_are_deterministic():
 
 
 def test_solver_options_reach_highs(capfd):
-    """pywraplp's HiGHS interface ignores MPSolverParameters and SuppressOutput's banner; the
-    options go through HiGHS's own option string (solve.py): without it HiGHS prints its banner
-    and log on every solve."""
+    """pywraplp's HiGHS interface ignores MPSolverParameters and SuppressOutput's banner; under
+    MathOpt (solve.py) the gap and the quiet switch reach HiGHS: without them HiGHS prints its
+    banner and log on every solve."""
     model = GPT(GPTConfig.tiny())
     inputs = model.example_inputs(2, generator=torch.Generator().manual_seed(0))
     cluster = Cluster.local(2)
@@ -250,3 +250,55 @@ def test_solver_options_reach_highs(capfd):
     out = capfd.readouterr()
     assert "HiGHS" not in out.out + out.err
     assert plan.solver["status"] == "optimal" and plan.solver["gap"] <= 1e-3
+
+
+def _market_split(rows=4, n=30, seed=0):
+    """A market-split instance (Cornuejols-Dawande): sum_j a_ij x_j + s+_i - s-_i = d_i, minimize
+    the slacks. All-zero x is feasible at once; proving the optimum takes HiGHS ~10 s."""
+    from ortools.linear_solver import pywraplp
+
+    rng = random.Random(seed)
+    solver = pywraplp.Solver.CreateSolver("HIGHS")
+    x = [solver.BoolVar("") for _ in range(n)]
+    a = [[rng.randint(0, 99) for _ in range(n)] for _ in range(rows)]
+    slacks = []
+    for row in a:
+        plus, minus = solver.NumVar(0, solver.infinity(), ""), solver.NumVar(0, solver.infinity(), "")
+        solver.Add(solver.Sum([c * v for c, v in zip(row, x)]) + plus - minus == sum(row) // 2)
+        slacks += [plus, minus]
+    for v in slacks:
+        solver.Objective().SetCoefficient(v, 1.0)
+    solver.Objective().SetMinimization()
+    return solver, a, x, slacks
+
+
+def test_time_limit_keeps_the_best_plan_found():
+    """At the time limit HiGHS has a plan; OR-Tools 9.15's pywraplp bridge drops it (status 99),
+    the MathOpt route returns it: the values satisfy the rows and give the objective reported."""
+    from autoshard.solver.solve import _run_highs
+
+    solver, a, x, slacks = _market_split()
+    status, value, found, bound = _run_highs(solver, 0.5, 0.0, False)
+    assert status == "feasible"
+    picked = [round(value(v)) for v in x]
+    residual = [sum(c * p for c, p in zip(row, picked)) - sum(row) // 2 for row in a]
+    assert found == pytest.approx(sum(abs(r) for r in residual), abs=1e-6)
+    assert sum(value(v) for v in slacks) == pytest.approx(found, abs=1e-6)
+    assert 0 <= bound <= found
+
+
+def test_plan_warns_when_the_solver_stops_at_its_time_limit(monkeypatch):
+    """A plan not proven within the gap is returned with a warning and its status and gap."""
+    from autoshard.solver import solve as solve_mod
+
+    real = solve_mod._run_highs
+
+    def stopped(solver, time_limit, mip_gap, log):
+        status, value, found, bound = real(solver, time_limit, mip_gap, log)
+        return "feasible", value, found, 0.5 * found   # as if stopped with half the gap proven
+
+    monkeypatch.setattr(solve_mod, "_run_highs", stopped)
+    traced = _mlp_traced()
+    with pytest.warns(UserWarning, match="stopped at time_limit=7s with a plan within 50.0%"):
+        plan = autoshard.plan(traced, Cluster.local(2), time_limit=7)
+    assert plan.solver["status"] == "feasible" and plan.solver["gap"] == pytest.approx(0.5)
