@@ -44,7 +44,8 @@ __all__ = [
     "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "TupleStrategy", "RuntimeSchemaInfo",
     "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "sharding_propagator",
     "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
-    "tree_leaves", "tree_map", "tree_map_only", "default_group_options",
+    "tree_leaves", "tree_map", "tree_map_only", "default_group_options", "is_all_gather",
+    "all_gather_key", "merge_all_gathers",
 ]
 
 
@@ -103,3 +104,28 @@ def joint_export(model: torch.nn.Module, args: tuple[Any, ...]):
 def tensor_version(t: torch.Tensor) -> int:
     """The in-place update counter autograd keeps on every tensor (bumped by ``add_``, ``copy_``)."""
     return t._version
+
+
+def is_all_gather(node) -> bool:
+    """A functional ``all_gather_into_tensor`` node of a traced graph."""
+    from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor
+
+    return is_all_gather_into_tensor(node)
+
+
+def all_gather_key(node):
+    """What all-gathers must share to be merged into one: process group and dtype."""
+    from torch._inductor.fx_passes.bucketing import _ag_group_key
+
+    return _ag_group_key(node)
+
+
+def merge_all_gathers(graph, nodes, insert_before, wait_before):
+    """Inductor's bucketing: independent all-gathers of graph inputs (same group and dtype)
+    become one all-gather of a flat buffer, issued before ``insert_before`` and waited for before
+    ``wait_before``, whose pieces replace the originals' waits. Returns the merged wait node."""
+    from torch._inductor.fx_passes.bucketing import is_wait_tensor, merge_all_gather_bucket
+
+    new_nodes, _ = merge_all_gather_bucket(graph, nodes, "default", insert_before=insert_before,
+                                           wait_insertion_point=wait_before)
+    return next(n for n in new_nodes if is_wait_tensor(n))

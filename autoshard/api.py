@@ -16,7 +16,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, ConstraintError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
 from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
-from autoshard.passes.rewrite import local_joint, split
+from autoshard.passes.rewrite import bucket_gathers, local_joint, split
 from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
 from autoshard.passes.trace import TracedModel, trace as _trace
 from autoshard.plan import NodeDecision, Plan, parse_placements
@@ -174,7 +174,8 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         top = max(least.memory, key=least.memory.get)
         what = {"state": "parameters, gradients and optimizer state", "activations": "activations saved for backward",
                 "transient": "the largest single op's working set",
-                "recomputed": "values recomputed in backward"}[top]
+                "recomputed": "values recomputed in backward",
+                "grad_delivery": "the gradients backward hands over and their reduction buckets"}[top]
         raise InfeasibleError(
             f"no plan fits {_gib(limit)} per device; the smallest peak any plan reaches is "
             f"{_gib(need)} ({parts}), dominated by {what}. Raise memory_limit to at least "
@@ -197,7 +198,7 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
         if e.kind != "gather":  # graph edges; a storage -> working gather shows at its parameter
             edges.append((e.src.name, where))
         calls = 1 if e.kind in ("grad", "gather") else problem.micro_batches  # per optimizer step
-        for c in costmodel.resharding(cluster, src, dst, e.moved_bytes(src, dst)):
+        for c in costmodel.resharding(cluster, src, dst, e.moved_bytes(src, dst), e.overlap):
             entry = {"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time * calls,
                      "src": e.src.name, "exposed": c.time * calls, "calls": calls, "role": e.kind}
             comm.setdefault(where, []).append(entry)
@@ -235,7 +236,7 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
     # itemized so the parts add up to the peak: the ILP's "state" is params+grads+optimizer+inputs
     memory = {**_state_detail(traced, choice, cluster, problem.storage, problem.micro_batches),
               "activations": solution.memory["activations"], "recomputed": solution.memory["recomputed"],
-              "transient": solution.memory["transient"]}
+              "transient": solution.memory["transient"], "grad_delivery": solution.memory["grad_delivery"]}
     peak = sum(memory.values())
     # the optimizer step on each parameter's storage shard; recomputed nodes' inputs moved again
     optimizer = sum(problem.cost[st][solution.choice[st]] for st in problem.storage.values())
@@ -403,6 +404,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     reduce_dtype = None if mixed_precision is None else mixed_precision.reduce_dtype
     joint, n_out, grad_pl = local_joint(traced, choice, mesh, local_primals, reduce_dtype)
     fw, bw = split(joint, n_out, frozenset(n.name for n in plan.nodes if n.recompute))
+    block_of = {n.name: n.layer for n in plan.nodes}
+    fw, bw = bucket_gathers(fw, block_of), bucket_gathers(bw, block_of)
     first, aliases = {}, {}  # tied weights: every name the model uses for a shared parameter
     for name, p in model.named_parameters(remove_duplicate=False):
         if first.setdefault(id(p), name) != name:

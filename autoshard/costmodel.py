@@ -49,8 +49,13 @@ def _shard_factor(placements, mesh_shape, skip: int) -> int:
     return f
 
 
-def resharding(cluster, src, dst, nbytes: float) -> list[Collective]:
-    """Collectives that turn placements ``src`` into ``dst`` for a tensor of ``nbytes`` (global)."""
+def resharding(cluster, src, dst, nbytes: float, bucketed: bool = False) -> list[Collective]:
+    """Collectives that turn placements ``src`` into ``dst`` for a tensor of ``nbytes`` (global).
+
+    ``bucketed``: the move is one of many merged into one collective (a parameter's gather and a
+    gradient's reduction: the emitted module gathers a block's parameters at once and reduces
+    the gradients in flat buckets, as FSDP and DDP do), so it pays the bandwidth term alone; the
+    bucket's latency, once per block, is left out of the per-tensor price."""
     out = []
     if src is None or dst is None:
         return out
@@ -68,7 +73,10 @@ def resharding(cluster, src, dst, nbytes: float) -> list[Collective]:
             continue
         if kind == "all_to_all":  # each rank exchanges its own shard: n is the per-rank tensor
             n /= cluster.mesh_shape[d]
-        out.append(Collective(kind, d, n, cluster.collective_time(kind, n, d)))
+        t = cluster.collective_time(kind, n, d)
+        if bucketed:  # less the latency a: the times are a + b n, so a = 2 t(1) - t(2)
+            t = max(0.0, t - 2 * cluster.collective_time(kind, 1.0, d) + cluster.collective_time(kind, 2.0, d))
+        out.append(Collective(kind, d, n, t))
     return out
 
 
@@ -80,8 +88,8 @@ def communicates(src, dst) -> bool:
         for a, b in zip(src, dst))
 
 
-def resharding_time(cluster, src, dst, nbytes: float) -> float:
-    return sum(c.time for c in resharding(cluster, src, dst, nbytes))
+def resharding_time(cluster, src, dst, nbytes: float, bucketed: bool = False) -> float:
+    return sum(c.time for c in resharding(cluster, src, dst, nbytes, bucketed))
 
 
 def compute_time(cluster, node, strategy) -> float:

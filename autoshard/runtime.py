@@ -50,7 +50,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from autoshard import _torch
 from autoshard.costmodel import local_shape
 from autoshard.errors import RuntimeMismatchError
-from autoshard.passes.rewrite import gather_directly, to_storage
+from autoshard.passes.rewrite import gather_many, to_storage_many
 
 
 class _PlanStep(torch.autograd.Function):
@@ -80,20 +80,13 @@ class _PlanStep(torch.autograd.Function):
         # last gradient, on top of them: measured peaks 10-20% above the plan's.
         del tensors
         ctx.maybe_clear_saved_tensors()
-        grads = ctx.module._bw(args)
+        grads = list(ctx.module._bw(args))
         n_params = len(ctx.module._param_names)
-        ctx.module._take_grads(grads[:n_params])
+        ctx.module._take_grads(grads)   # drops each parameter's entry once it is delivered
         # the gradients were delivered to .grad above, in storage placement; autograd's path
         # through to_local() would label an unreduced partial sum as the parameter's placement
         n_rest = len(ctx.module._buffer_names) + len(ctx.module._input_meta)
         return (None, *([None] * (n_params + n_rest)))
-
-
-def _redistribute(p: DTensor, placements) -> DTensor:
-    """FSDP's gather of a row-sharded parameter straight on its local tensor where it can
-    (rewrite.gather_directly: a DTensor redistribution costs ~1 ms more per call on gloo)."""
-    moved = gather_directly(p, placements)
-    return p.redistribute(p.device_mesh, placements) if moved is None else moved
 
 
 def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -161,10 +154,12 @@ class DistributedModule(nn.Module):
     def _working_copies(self, primals):
         """The graph's parameter inputs: storage shards, or for a parameter the plan gathers once per
         step (ZeRO-1/2, FSDP without resharding after forward) its working copy, kept until the
-        stored values change (an optimizer step or a load bumps their version)."""
+        stored values change (an optimizer step or a load bumps their version). The stale ones
+        are gathered together (rewrite.gather_many: one collective per bucket)."""
         if not self._working:
             return primals
         primals, cache = list(primals), self.__dict__["_working_cache"]
+        stale = []
         for i, placements in self._working.items():
             p = self.get_parameter(self._param_names[i])
             # the DTensor's counter: an in-place update of a DTensor (optimizer step, load) does
@@ -172,18 +167,20 @@ class DistributedModule(nn.Module):
             version = (primals[i].data_ptr(), _torch.tensor_version(p))
             hit = cache.get(i)
             if hit is None or hit[0] != version:
-                with torch.no_grad():
-                    hit = cache[i] = (version, self._gather(p, placements).to_local())
-            primals[i] = hit[1]
+                stale.append((i, p, placements, version))
+        if stale:
+            with torch.no_grad():
+                low = getattr(self.mixed_precision, "param_dtype", None)
+                # The graph casts a copy to the compute dtype first thing; a value that went
+                # fp32 -> bf16 -> fp32 casts to the same bf16, so the gather may move bf16, exactly.
+                cast = [low is not None and p.is_floating_point() and low.itemsize < p.dtype.itemsize
+                        for _, p, _, _ in stale]
+                copies = gather_many([(p.to(low) if c else p, pl) for (_, p, pl, _), c in zip(stale, cast)])
+                for (i, p, _, version), c, copy in zip(stale, cast, copies):
+                    cache[i] = (version, copy.to(p.dtype) if c else copy)
+        for i in self._working:
+            primals[i] = cache[i][1]
         return primals
-
-    def _gather(self, p: DTensor, placements) -> DTensor:
-        low = getattr(self.mixed_precision, "param_dtype", None)
-        if low is None or not p.is_floating_point() or low.itemsize >= p.dtype.itemsize:
-            return _redistribute(p, placements)
-        # The graph casts this copy to the compute dtype first thing; a value that went
-        # fp32 -> bf16 -> fp32 casts to the same bf16, so the gather may move bf16, exactly.
-        return _redistribute(p.to(low), placements).to(p.dtype)
 
     # --- gradients ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -204,27 +201,37 @@ class DistributedModule(nn.Module):
             return False
         return self._backwards % self.grad_accumulation == 0
 
-    def _take_grads(self, local_grads) -> None:
+    def _take_grads(self, grads: list) -> None:
+        """The backward graph's outputs (a parameter's gradient at its index, this rank's piece,
+        in the graph's placement) delivered to ``.grad`` in storage placement; each entry is
+        dropped from ``grads`` once delivered, so the full-size partial sums go as they move."""
         unreduced = self.__dict__["_unreduced"]
         sync = self._syncs_now()
-        for name, g, pl in zip(self._param_names, local_grads, self._grad_placements):
+        moves = []   # (index, placements, parameter): what to_storage_many moves, bucketed
+        for i, (name, pl) in enumerate(zip(self._param_names, self._grad_placements)):
+            g = grads[i]
             if g is None:
                 continue
             if name in unreduced:  # the buffer is a past backward's output, no one else's
-                g = unreduced.pop(name).add_(g)
+                g = grads[i] = unreduced.pop(name).add_(g)
             if not sync:
                 unreduced[name] = g
+                grads[i] = None
                 continue
             p = self.get_parameter(name)
             if self._plain:
                 self._take_plain_grad(p, g)
+                grads[i] = None
                 continue
             if p.grad is not None and tuple(pl) == tuple(p.placements) == tuple(p.grad.placements):
                 # already where it is stored (DDP on one rank, a replicated parameter's pieces):
                 # no DTensor to wrap and unwrap per parameter, as AccumulateGrad would not
                 p.grad.to_local().add_(g)
+                grads[i] = None
                 continue
-            moved = to_storage(g, pl, p, self._reduce_dtype)
+            moves.append((i, pl, p))
+        g = None   # (the last one is in moves: to_storage_many drops it)
+        for (_, _, p), moved in zip(moves, to_storage_many(grads, moves, self._reduce_dtype)):
             if p.grad is not None and tuple(p.grad.placements) == tuple(moved.placements):
                 # into the existing gradient in place, on the local shards, as AccumulateGrad does:
                 # a DTensor add allocates a new gradient and propagates shardings, per parameter

@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.baselines import plan_baseline
 from autoshard.launch import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fidelity import OUT, PINS, _model  # noqa: E402
+from fidelity import OUT, _model  # noqa: E402
 
 
 def _native_fsdp(model):
@@ -145,7 +146,10 @@ def run(size: str = "small", *, calibration: Path | None = None, warmup: int = 2
                else autoshard.Cluster.local(2))
     model, inputs = _model(size)
     traced = autoshard.trace(model, inputs)
-    plans = {name: autoshard.plan(traced, cluster, constraints=PINS[name]).to_json() for name in ("fsdp", "megatron")}
+    # the hand strategies as autoshard.baselines writes them: storage, working placements and the
+    # batch split pinned per role (storage pins alone leave the solver free to mix in other
+    # parallelism, which is then not the plan torch's side runs)
+    plans = {name: plan_baseline(traced, cluster, name).to_json() for name in ("fsdp", "megatron")}
     one = cluster.with_mesh((1,))
     replicated = autoshard.plan(traced, one).to_json()
     t0 = time.perf_counter()

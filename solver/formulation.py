@@ -324,6 +324,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
             m.base_of[r(v)] = r(u)
     m.held = [(r(st), r(p), nbytes) for st, p, nbytes in mm.held]
     m.view_edge = {r(v): new_of[e] for v, e in mm.view_edge.items() if r(v) in m.base_of}
+    m.grads = list(dict.fromkeys(new_of[e] for e in mm.grads))
 
     def expand(choice: dict, recompute: set) -> tuple[dict, set]:
         return ({v: choice[r(v)] for v in problem.nodes},

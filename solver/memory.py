@@ -22,6 +22,13 @@
                                                      which are saved or recomputed)
          <= limit
 
+and at the end of backward, a second moment, when no activation is left:
+
+    peak >= sum_{v,s} state[v,s] x[v,s] + working copies
+            + sum_{grad edges e} sum_{q,p} g[e,q,p] y[e,q,p]   the gradients backward hands over,
+                                                             and their copies in the runtime's
+                                                             flat buckets (:func:`delivered`)
+
 where k[v,s] = x[v,s] keep_v, written in its tight (convex-hull) form: k[v,s] <= x[v,s],
 sum_s k[v,s] = keep_v. All saved activations are live together when backward starts, so their sum
 is the activation peak. ``keep_v`` (save v for backward) and ``r_v`` (recompute v in backward)
@@ -84,6 +91,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial, Shard
 
 from autoshard import costmodel
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free, tensor_bytes
@@ -109,6 +117,7 @@ class MemoryModel:
     copies: dict = field(default_factory=dict)
     alias: dict = field(default_factory=dict)  # class member -> its class node
     view_edge: dict = field(default_factory=dict)  # view -> the edge from its base, where it may reshard
+    grads: list = field(default_factory=list)  # the "grad" edges: what backward hands over, and its move
 
     @property
     def candidates(self) -> list[fx.Node]:
@@ -188,6 +197,7 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
                 if u in fwd_set:
                     needed.setdefault(u)
     mm.needed = list(needed)
+    mm.grads = [e for e in problem.edges if e.kind == "grad"]
     mm.view_edge = {e.dst: e for e in problem.edges
                     if e.kind == "input" and not e.aligned and e.dst is not None and mm.base_of.get(e.dst) is e.src}
     return mm
@@ -320,7 +330,7 @@ def recompute_resharding(problem, cluster, choice: dict, recompute: set) -> floa
             continue
         src = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
         dst = e.dst_in[choice[e.dst]]
-        total += e.weight * costmodel.resharding_time(cluster, src, dst, e.moved_bytes(src, dst))
+        total += e.weight * costmodel.resharding_time(cluster, src, dst, e.moved_bytes(src, dst), e.overlap)
     return total
 
 
@@ -344,16 +354,46 @@ def working_copies(mm: MemoryModel, choice: dict, mesh_shape) -> float:
     return total
 
 
+def delivered(mm: MemoryModel, e, q, p) -> float:
+    """Bytes gradient edge ``e`` holds at the end of backward when it moves from placement q to
+    its storage placement p: the unreduced gradient backward hands over (local, at q) and, when
+    that moves, its copy in the runtime's flat bucket (in the wire dtype) and a reduce-scatter's
+    result (at p); an all-reduce sums in place (passes/rewrite.py: to_storage_many)."""
+    held = costmodel.local_bytes(e.kept, q, mm.mesh_shape)
+    if costmodel.communicates(q, p):
+        held += costmodel.local_bytes(e.moved_bytes(q, p), q, mm.mesh_shape)
+        if any(isinstance(a, Partial) and isinstance(b, Shard) for a, b in zip(q, p)):
+            held += costmodel.local_bytes(e.kept, p, mm.mesh_shape)
+    return e.weight * held
+
+
+def end_of_backward(mm: MemoryModel, choice: dict) -> float:
+    """Bytes beyond the persistent state when backward has returned (no activation left): every
+    gradient as backward hands it over, and the buckets that move them (:func:`delivered`)."""
+    total = 0.0
+    for e in mm.grads:
+        q = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
+        total += delivered(mm, e, q, e.dst_in[choice[e.dst]])
+    return total
+
+
 def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, float]:
     """The peak a chosen plan needs: the bytes the runtime will actually hold, which the ILP's
-    rows bound from above (its slack variables may sit anywhere below the limit)."""
-    return {
+    rows bound from above (its slack variables may sit anywhere below the limit). The peak is
+    the larger of two moments: the start of backward (state, saved activations, recomputed
+    values, the largest op's working set) and its end (state, the gradients handed over and
+    their buckets); "grad_delivery" is what the end adds above the start, so the parts sum to
+    the peak."""
+    out = {
         "state": sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape),
         "activations": sum(saved_bytes(mm, choice, recompute).values()),
         # replayed in backward: the recomputed values of the block whose backward runs
         "recomputed": recomputed_live(mm, choice, recompute),
         "transient": max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
     }
+    out["grad_delivery"] = max(0.0, end_of_backward(mm, choice) - out["activations"] - out["recomputed"]
+                               - out["transient"])
+    return out
 
 
 def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recompute: set) -> list[tuple[str, float]]:

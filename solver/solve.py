@@ -47,7 +47,7 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds,
     (source, destination placement))] (before overlap), for charging a recomputed node's input
     moves again and a saved view's moved copy."""
-    from autoshard.solver.memory import backward_start_reads, moved_copy, rematerialized
+    from autoshard.solver.memory import backward_start_reads, delivered, moved_copy, rematerialized
 
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
     r = {v: solver.NumVar(1, 1, "") if mm.recompute_all else solver.BoolVar("") for v in mm.recomputable}
@@ -141,11 +141,15 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     for rows in replayed.values() or [[]]:
         solver.Add(t_rec >= solver.Sum([var * (c / MB) for var, c in start + rows]))
 
+    # the peak: the larger of backward's start and its end (gradients handed over, their buckets)
     state_terms = [term for v in mm.state for term in expr(mm.state, v)]
-    terms = state_terms + held + saved_terms + copied + [(t_rec, MB), (t, MB)]
-    # peak <= limit
-    solver.Add(solver.Sum([var * (c / MB) for var, c in terms]) <= mm.limit / MB)
-    return _MemoryRows(r, terms)
+    backward_start = state_terms + held + saved_terms + copied + [(t_rec, MB), (t, MB)]
+    backward_end = state_terms + held + [(var, delivered(mm, e, q, p)) for e in mm.grads
+                                         for var, _, (q, p) in reshard_terms.get(e, [])]
+    peak = solver.NumVar(0, mm.limit / MB, "")   # peak <= limit
+    for terms in (backward_start, backward_end):
+        solver.Add(peak >= solver.Sum([var * (c / MB) for var, c in terms]))
+    return _MemoryRows(r, [(peak, MB)])
 
 
 @dataclass
@@ -180,7 +184,7 @@ def _edge_cost(problem: Problem, e, x, reshard) -> tuple[list, list]:
         dst = {}
         for s in problem.allowed[e.dst]:
             dst.setdefault(e.dst_in[s], []).append(s)
-    r = {(q, p): e.weight * reshard(q, p, e.moved_bytes(q, p)) for q in src for p in dst}
+    r = {(q, p): e.weight * reshard(q, p, e.moved_bytes(q, p), e.overlap) for q in src for p in dst}
     if e.dst is e.src:  # a block's output feeding the same class in the next block: one choice
         pairs = [(s, (problem.src_placement(e, s), e.dst_in[s])) for s in problem.allowed[e.src]]
         return [(x[e.src, s], r[qp], qp) for s, qp in pairs], []

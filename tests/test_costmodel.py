@@ -128,6 +128,15 @@ def test_shard_to_replicate_is_all_gather(one_node):
     assert c.time == pytest.approx(7 / 8 * N / NV + 7 * NV_A, rel=1e-12)
 
 
+def test_bucketed_moves_pay_bandwidth_only(one_node):
+    """A parameter's gather or a gradient's reduction runs in a bucket with others (one latency
+    per bucket): priced by its bandwidth term alone, (p-1)/p n/B and 2(p-1)/p n/B by hand."""
+    c = _one(costmodel.resharding(one_node, (R, Shard(0)), (R, R), N, bucketed=True))
+    assert c.time == pytest.approx(7 / 8 * N / NV, rel=1e-9)
+    c = _one(costmodel.resharding(one_node, (R, P), (R, R), N, bucketed=True))
+    assert c.time == pytest.approx(2 * 7 / 8 * N / NV, rel=1e-9)
+
+
 def test_partial_to_shard_is_reduce_scatter(one_node):
     c = _one(costmodel.resharding(one_node, (R, P), (R, Shard(1)), N))
     assert (c.kind, c.mesh_dim, c.nbytes) == ("reduce_scatter", 1, N)  # n = the input size

@@ -39,7 +39,8 @@ def _problem(traced, cluster):
 
 
 def _edge_table(problem, e, cluster):
-    """Resharding time of edge e for every (src strategy, dst strategy) pair, by costmodel.resharding_time."""
+    """Resharding time of edge e for every (src strategy, dst strategy) pair, by costmodel.resharding_time
+    (a parameter's or gradient's move, bucketed by the runtime, without its latency)."""
     src_strats = e.src.meta[META_KEY].strategies
     dst_opts = [None] if e.dst is None else problem.allowed[e.dst]
     table = {}
@@ -47,7 +48,7 @@ def _edge_table(problem, e, cluster):
         q = src_strats[s].outputs[e.src_out]
         for t in dst_opts:
             p = e.fixed if e.dst is None else e.dst_in[t]
-            table[s, t] = costmodel.resharding_time(cluster, q, p, e.nbytes)
+            table[s, t] = costmodel.resharding_time(cluster, q, p, e.nbytes, e.overlap)
     return table
 
 
@@ -66,7 +67,7 @@ def _objective(problem, cluster, choice, tables=None):
         else:
             q = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
             p = e.fixed if e.dst is None else e.dst_in[t]
-            r = costmodel.resharding_time(cluster, q, p, e.nbytes)
+            r = costmodel.resharding_time(cluster, q, p, e.nbytes, e.overlap)
         hideable = e.kind in ("grad", "gather") or (not e.aligned and (e.src in params or e.src in views))
         if hideable and a > 0:
             b = (e.src if e.kind == "grad" else e.dst).meta.get("autoshard.layer", (None, None))[1]

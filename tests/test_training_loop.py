@@ -17,8 +17,8 @@ within 2 lr, and the fp32 master weights themselves are never rounded to bf16.
 
 Collectives are counted by a dispatch mode on every rank and compared with the plan's edges by
 role: the storage -> working gathers (once per step, on the first micro-batch), the gradient
-moves to storage (once per step, on the synchronizing micro-batch), and nothing else outside the
-graphs. The 2-D setup pins every parameter: a parameter stored ``(S(0), S(0))`` with a gradient
+moves to storage (once per step, on the synchronizing micro-batch), each bucketed into one flat
+collective per mesh dim and kind, and nothing else outside the graphs. The 2-D setup pins every parameter: a parameter stored ``(S(0), S(0))`` with a gradient
 ``(P, S(0))`` takes DTensor two collectives where the cost model counts one (the outer shard of
 a nested pair cannot move without the inner: one reduce-scatter would leave a strided layout).
 """

@@ -186,7 +186,8 @@ def _accumulate(dm, ref, policy, lr: float, explicit: bool) -> dict:
             "norm": norm.full_tensor().item(), "ref_norm": ref_norm.item(),
             "working": {dm._param_names[i]: (_pl(dm.get_parameter(dm._param_names[i]).placements), _pl(pl))
                         for i, pl in dm._working.items()},
-            "grad_collectives_planned": planned(dm.plan, "grad"), "gathers_planned": planned(dm.plan, "gather"),
+            "grad_collectives_planned": planned_buckets(dm, "grad"),
+            "gathers_planned": planned_buckets(dm, "gather"),
             "per_micro_batch_planned": planned(dm.plan, "input") + planned(dm.plan, "output")}
 
 
@@ -200,6 +201,36 @@ def planned(plan, role: str) -> int:
     """Collectives the plan lists for edges of one role: "grad" (gradient to storage, once per
     step), "gather" (storage to working copy, once per step), "input"/"output" (in the graph)."""
     return sum(1 for n in plan.nodes for c in n.comm if c.get("role") == role)
+
+
+def planned_buckets(dm, role: str) -> int:
+    """The once-per-step collectives of ``role`` ("grad", "gather") as the module issues them:
+    the moves it buckets (rewrite.to_storage_many, rewrite.gather_many) one flat collective per
+    group and mesh dim (the setups' tensors fit one bucket), any other move as the plan lists its
+    collectives (at the parameter's node)."""
+    from autoshard import costmodel
+    from autoshard.passes import rewrite
+
+    params = [n.name for n in dm.plan.nodes if n.op == "placeholder"][:len(dm._param_names)]
+    listed = {n.name: sum(1 for c in n.comm if c.get("role") == role) for n in dm.plan.nodes}
+    groups, alone = set(), 0
+    for i, name in enumerate(dm._param_names):
+        p = dm.get_parameter(name)
+        if role == "grad" and dm._grad_placements[i] is not None:
+            pl = tuple(dm._grad_placements[i])
+            local = torch.empty(costmodel.local_shape(p.shape, pl, dm.mesh.shape), device="meta")
+            how = rewrite._bucketable(local, pl, p) if listed[params[i]] else None
+            key = None if how is None else ("grad", how[:2], len(how[1]) if how[0] == "all_reduce" else 1)
+        elif role == "gather" and i in dm._working:
+            how = rewrite._gather_dims(p, dm._working[i])
+            key = None if how is None else ("gather", how[0], p.dtype, 1)
+        else:
+            continue
+        if key is None:
+            alone += listed[params[i]]
+        else:
+            groups.add(key)
+    return sum(key[-1] for key in groups) + alone
 
 
 def setup_case(mesh_shape, constraints: str | None, policy: MixedPrecision | None, lr: float,
