@@ -38,11 +38,11 @@ MB = 2**20  # bytes -> MiB in the memory rows (keeps coefficients near the time 
 @dataclass
 class _MemoryRows:
     r: dict            # recompute binaries
-    terms: list        # the peak as [(var, bytes)]
+    terms: list        # the peak as [(var, bytes)] (for minimize="memory"; empty otherwise)
 
 
 def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: list,
-                 reshard_terms: dict) -> _MemoryRows:
+                 reshard_terms: dict, minimize: str = "time") -> _MemoryRows:
     """The memory block of DESIGN.md's ILP (formulas in solver/memory.py); ``held``: the working
     copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds,
     (source, destination placement))] (before overlap), for charging a recomputed node's input
@@ -146,9 +146,14 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     backward_start = state_terms + held + saved_terms + copied + [(t_rec, MB), (t, MB)]
     backward_end = state_terms + held + [(var, delivered(mm, e, q, p)) for e in mm.grads
                                          for var, _, (q, p) in reshard_terms.get(e, [])]
-    peak = solver.NumVar(0, mm.limit / MB, "")   # peak <= limit
-    for terms in (backward_start, backward_end):
-        solver.Add(peak >= solver.Sum([var * (c / MB) for var, c in terms]))
+    rows = [solver.Sum([var * (c / MB) for var, c in terms]) for terms in (backward_start, backward_end)]
+    if minimize != "memory":   # each moment <= limit
+        for row in rows:
+            solver.Add(row <= mm.limit / MB)
+        return _MemoryRows(r, [])
+    peak = solver.NumVar(0, mm.limit / MB, "")   # the least-memory solve's objective: the larger moment
+    for row in rows:
+        solver.Add(peak >= row)
     return _MemoryRows(r, [(peak, MB)])
 
 
@@ -292,7 +297,8 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         objective.SetCoefficient(exposed, 1.0)
         solver.Add(exposed >= solver.Sum([var * c for var, c in terms]) - solver.Sum([var * c for var, c in compute]))
 
-    mem = _memory_rows(solver, objective, problem, memory, x, held, reshard_terms) if memory is not None else None
+    mem = _memory_rows(solver, objective, problem, memory, x, held, reshard_terms, minimize) \
+        if memory is not None else None
     if minimize == "memory":
         objective.Clear()
         for var, coef in mem.terms:
