@@ -204,7 +204,7 @@ class DistributedModule(nn.Module):
     def _take_grads(self, grads: list) -> None:
         """The backward graph's outputs (a parameter's gradient at its index, this rank's piece,
         in the graph's placement) delivered to ``.grad`` in storage placement; each entry is
-        dropped from ``grads`` once delivered, so the full-size partial sums go as they move."""
+        dropped from ``grads`` once it is handed on."""
         unreduced = self.__dict__["_unreduced"]
         sync = self._syncs_now()
         moves = []   # (index, placements, parameter): what to_storage_many moves, bucketed

@@ -337,8 +337,9 @@ def to_storage_many(grads: list, moves: list[tuple[int, tuple, DTensor]],
     the all-reduces and reduce-scatters of the same mesh dims and dtype made as one collective on
     a flat buffer (up to GRAD_BUCKET_BYTES), as DDP and FSDP bucket theirs: on gloo every
     collective is a synchronization of the ranks, and one per parameter cost a small GPT's FSDP
-    step ~50 of them. Each gradient is copied into its bucket and then dropped from ``grads``
-    (the full-size partial sums are not all held next to the bucket)."""
+    step ~50 of them. Each gradient is dropped from ``grads`` once copied into its bucket; the
+    measured peak still holds every one next to the buckets (something else keeps the backward
+    graph's outputs alive: not found yet), which is what solver/memory.py's ``delivered`` counts."""
     out: list = [None] * len(moves)
     groups: dict = {}
     for j, (i, placements, param) in enumerate(moves):

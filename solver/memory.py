@@ -24,10 +24,11 @@
 
 and at the end of backward, a second moment, when no activation is left:
 
-    peak >= sum_{v,s} state[v,s] x[v,s] + working copies
-            + sum_{grad edges e} sum_{q,p} g[e,q,p] y[e,q,p]   the gradients backward hands over,
-                                                             and their copies in the runtime's
-                                                             flat buckets (:func:`delivered`)
+         sum_{v,s} state[v,s] x[v,s] + working copies
+         + sum_{grad edges e} sum_{q,p} g[e,q,p] y[e,q,p]   the gradients backward hands over,
+                                                           and their copies in the runtime's
+                                                           flat buckets (:func:`delivered`)
+         <= limit
 
 where k[v,s] = x[v,s] keep_v, written in its tight (convex-hull) form: k[v,s] <= x[v,s],
 sum_s k[v,s] = keep_v. All saved activations are live together when backward starts, so their sum
