@@ -129,3 +129,20 @@ def merge_all_gathers(graph, nodes, insert_before, wait_before):
     new_nodes, _ = merge_all_gather_bucket(graph, nodes, "default", insert_before=insert_before,
                                            wait_insertion_point=wait_before)
     return next(n for n in new_nodes if is_wait_tensor(n))
+
+
+def all_reduce_async(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Start a sum all-reduce of ``t`` in place over the named process group (a functional
+    collective: the result is ``t``, ready after :func:`wait`)."""
+    return torch.ops._c10d_functional.all_reduce_(t, "sum", group_name)
+
+
+def reduce_scatter_async(t: torch.Tensor, ranks: int, group_name: str) -> torch.Tensor:
+    """Start a sum reduce-scatter of ``t`` (flat, rank r's part the r-th 1/ranks) over the named
+    process group; the result is ready after :func:`wait`."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor(t, "sum", ranks, group_name)
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The result of a functional collective, once it has arrived."""
+    return torch.ops._c10d_functional.wait_tensor(t)

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -16,7 +17,8 @@ from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, ConstraintError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
 from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
-from autoshard.passes.rewrite import bucket_gathers, local_joint, split
+from autoshard.passes.bucket import bucket_gathers, gradient_buckets, reduce_gradients
+from autoshard.passes.rewrite import local_joint, split
 from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
 from autoshard.passes.trace import TracedModel, trace as _trace
 from autoshard.plan import NodeDecision, Plan, parse_placements
@@ -173,9 +175,10 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
         top = max(least.memory, key=least.memory.get)
         what = {"state": "parameters, gradients and optimizer state", "activations": "activations saved for backward",
-                "transient": "the largest single op's working set",
+                "transient": "the largest working set: an op's, a block's gradients being reduced or its gathered "
+                             "parameters",
                 "recomputed": "values recomputed in backward",
-                "grad_delivery": "the gradients backward hands over and their reduction buckets"}[top]
+                "grad_delivery": "the end of backward: the last gradient bucket, gradients handed over unreduced"}[top]
         raise InfeasibleError(
             f"no plan fits {_gib(limit)} per device; the smallest peak any plan reaches is "
             f"{_gib(need)} ({parts}), dominated by {what}. Raise memory_limit to at least "
@@ -406,6 +409,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     fw, bw = split(joint, n_out, frozenset(n.name for n in plan.nodes if n.recompute))
     block_of = {n.name: n.layer for n in plan.nodes}
     fw, bw = bucket_gathers(fw, block_of), bucket_gathers(bw, block_of)
+    bw_sync, reduced = _reducing_backward(bw, traced, params, grad_pl, block_of, reduce_dtype)
     first, aliases = {}, {}  # tied weights: every name the model uses for a shared parameter
     for name, p in model.named_parameters(remove_duplicate=False):
         if first.setdefault(id(p), name) != name:
@@ -413,4 +417,24 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     return DistributedModule(plan, mesh, fw, bw, n_out, params, buffers, input_pl, traced.input_meta,
                              aliases=aliases, grad_placements=grad_pl, reduce_dtype=reduce_dtype,
                              grad_accumulation=grad_accumulation, mixed_precision=mixed_precision,
-                             working=working)
+                             working=working, bw_sync=bw_sync, reduced=reduced)
+
+
+def _reducing_backward(bw, traced, params: dict, grad_pl: list, block_of: dict, reduce_dtype):
+    """``bw`` with each block's gradient reductions in it (passes/bucket.py), and the indices of
+    the gradients it hands over reduced; (None, ()) when no gradient moves in a bucket."""
+    (out,) = bw.graph.find_nodes(op="output")
+    made = out.args[0]
+    pos = {n: i for i, n in enumerate(bw.graph.nodes)}
+    moves = []
+    for i, ((name, node), pl) in enumerate(zip(traced.params, grad_pl)):
+        g = made[i]
+        if pl is None or not isinstance(g, fx.Node) or tuple(pl) == tuple(params[name].placements):
+            continue
+        # bucketed by the parameter's block (a layer's bias gradient is summed where the next begins)
+        moves.append((pos[g], (i, tuple(pl), params[name], block_of.get(node.name)), g.meta["val"].dtype))
+    moves.sort(key=lambda m: m[0])   # in the order backward makes them
+    buckets = gradient_buckets([m for _, m, _ in moves], reduce_dtype, [d for _, _, d in moves])
+    if not buckets:
+        return None, ()
+    return reduce_gradients(bw, buckets), tuple(i for b in buckets for i in b.indices)

@@ -88,6 +88,24 @@ def communicates(src, dst) -> bool:
         for a, b in zip(src, dst))
 
 
+def bucket_move(src, dst):
+    """How a gradient's move to storage goes in one flat collective with others (DDP's and FSDP's
+    buckets): ("all_reduce", mesh dims) when it sums partials on those dims into Replicate,
+    ("reduce_scatter", mesh dim, k) when it sums a partial on one mesh dim into a Shard(k) that no
+    other mesh dim splits; None for any other move (or none)."""
+    moved = [d for d, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if not moved or not all(isinstance(src[d], Partial) and src[d].reduce_op == "sum" for d in moved):
+        return None
+    if all(isinstance(dst[d], Replicate) for d in moved):
+        return "all_reduce", tuple(moved)
+    if len(moved) != 1:
+        return None
+    (d,) = moved
+    if type(dst[d]) is Shard and dst[d] not in dst[:d] + dst[d + 1:]:
+        return "reduce_scatter", d, dst[d].dim
+    return None
+
+
 def resharding_time(cluster, src, dst, nbytes: float, bucketed: bool = False) -> float:
     return sum(c.time for c in resharding(cluster, src, dst, nbytes, bucketed))
 

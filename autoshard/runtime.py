@@ -26,11 +26,13 @@ parameters stay DTensors even where stored replicated (as DDP would store them):
 mixing plain and DTensor parameters, ``torch.nn.utils.clip_grad_norm_`` and any ``foreach``
 optimizer step (AdamW's default on GPUs) fail ("got mixed torch.Tensor and DTensor").
 
-Gradient accumulation: the backward graph leaves each gradient as its last op made it (possibly
-an unreduced partial sum); the move to storage (all-reduce, reduce-scatter) runs after it, once
-per backward, or, inside :meth:`DistributedModule.no_sync` (or on all but every
-``grad_accumulation``-th backward), not at all: the unreduced gradients are summed locally and
-moved once, on the next synchronizing backward, as DDP's ``no_sync`` does.
+Gradients: the backward graph that runs on a synchronizing backward reduces each block's
+gradients into storage (all-reduce, reduce-scatter) as soon as the block's last one is made, one
+flat collective per bucket (passes/bucket.py), and hands them over reduced. Inside
+:meth:`DistributedModule.no_sync` (or on all but every ``grad_accumulation``-th backward) the
+plain backward graph runs instead: it leaves each gradient as its last op made it (possibly an
+unreduced partial sum), the unreduced gradients are summed locally and moved once, after the
+next synchronizing backward (with its own, through the plain graph), as DDP's ``no_sync`` does.
 
 ``load_state_dict`` takes DTensor values in any placement (redistributed to this plan's) or plain
 full tensors (each rank keeps its shard), and names every missing, unexpected or misshapen entry
@@ -50,7 +52,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from autoshard import _torch
 from autoshard.costmodel import local_shape
 from autoshard.errors import RuntimeMismatchError
-from autoshard.passes.rewrite import gather_many, to_storage_many
+from autoshard.passes.bucket import gather_many, to_storage_many
 
 
 class _PlanStep(torch.autograd.Function):
@@ -80,12 +82,18 @@ class _PlanStep(torch.autograd.Function):
         # last gradient, on top of them: measured peaks 10-20% above the plan's.
         del tensors
         ctx.maybe_clear_saved_tensors()
-        grads = list(ctx.module._bw(args))
-        n_params = len(ctx.module._param_names)
-        ctx.module._take_grads(grads)   # drops each parameter's entry once it is delivered
+        module = ctx.module
+        sync = module._syncs_now()
+        # the graph that reduces each block's gradients itself, unless there are unreduced sums
+        # to move with them (accumulation): those go through _take_grads after the plain graph
+        in_graph = sync and module._bw_sync is not None and not module.__dict__["_unreduced"]
+        grads = list((module._bw_sync if in_graph else module._bw)(args))
+        n_params = len(module._param_names)
+        # drops each parameter's entry once it is delivered
+        module._take_grads(grads, sync, module._reduced if in_graph else frozenset())
         # the gradients were delivered to .grad above, in storage placement; autograd's path
         # through to_local() would label an unreduced partial sum as the parameter's placement
-        n_rest = len(ctx.module._buffer_names) + len(ctx.module._input_meta)
+        n_rest = len(module._buffer_names) + len(module._input_meta)
         return (None, *([None] * (n_params + n_rest)))
 
 
@@ -115,13 +123,17 @@ class DistributedModule(nn.Module):
                  params: dict[str, DTensor], buffers: dict[str, torch.Tensor], input_placements: list,
                  input_meta: list, aliases: dict[str, str] | None = None, grad_placements: list | None = None,
                  reduce_dtype: torch.dtype | None = None, grad_accumulation: int = 1, mixed_precision=None,
-                 working: dict | None = None):
+                 working: dict | None = None, bw_sync: fx.GraphModule | None = None, reduced=()):
         super().__init__()
         self.plan = plan
         self.mesh = mesh
         # The graphs are code, not state: kept out of the submodules so that their constants do
         # not show up in state_dict(), parameters() or a checkpoint.
         self.__dict__["_fw"], self.__dict__["_bw"] = fw, _boxed(bw)
+        # bw with each block's gradient reductions in it (passes/bucket.py); ``reduced``: the
+        # gradients it hands over reduced, in their parameter's storage placement
+        self.__dict__["_bw_sync"] = None if bw_sync is None or mesh.size() == 1 else _boxed(bw_sync)
+        self._reduced = frozenset(reduced)
         self._num_outputs = num_outputs
         self._param_names = list(params)
         self._buffer_names = list(buffers)
@@ -201,16 +213,26 @@ class DistributedModule(nn.Module):
             return False
         return self._backwards % self.grad_accumulation == 0
 
-    def _take_grads(self, grads: list) -> None:
+    def _take_grads(self, grads: list, sync: bool, reduced: frozenset = frozenset()) -> None:
         """The backward graph's outputs (a parameter's gradient at its index, this rank's piece,
-        in the graph's placement) delivered to ``.grad`` in storage placement; each entry is
-        dropped from ``grads`` once it is handed on."""
+        in the graph's placement, or in storage placement for the indices in ``reduced``)
+        delivered to ``.grad`` in storage placement; each entry is dropped from ``grads`` once it
+        is handed on."""
         unreduced = self.__dict__["_unreduced"]
-        sync = self._syncs_now()
         moves = []   # (index, placements, parameter): what to_storage_many moves, bucketed
         for i, (name, pl) in enumerate(zip(self._param_names, self._grad_placements)):
             g = grads[i]
             if g is None:
+                continue
+            if i in reduced:   # backward reduced it (passes/bucket.py): this rank's stored piece
+                p = self.get_parameter(name)
+                if p.grad is not None and tuple(p.grad.placements) == tuple(p.placements):
+                    p.grad.to_local().add_(g)
+                else:
+                    moved = DTensor.from_local(g, self.mesh, p.placements, run_check=False, shape=p.shape,
+                                               stride=p.stride())
+                    p.grad = moved if p.grad is None else p.grad + moved
+                grads[i] = None
                 continue
             if name in unreduced:  # the buffer is a past backward's output, no one else's
                 g = grads[i] = unreduced.pop(name).add_(g)

@@ -308,7 +308,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
     for v in rep:
         copies[r(v)] = copies.get(r(v), 0) + 1
     m = MemoryModel(mm.limit, recompute_all=mm.recompute_all, mesh_shape=mm.mesh_shape, block=dict(problem.block),
-                    copies=copies, alias={v: r(v) for v in rep})
+                    copies=copies, alias={v: r(v) for v in rep}, reduce_in_backward=mm.reduce_in_backward)
     for table, out in ((mm.state, m.state), (mm.act, m.act)):
         for v, vals in table.items():
             out[r(v)] = [a + b for a, b in zip(out.get(r(v), [0.0] * len(vals)), vals)]
@@ -325,6 +325,8 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
     m.held = [(r(st), r(p), nbytes) for st, p, nbytes in mm.held]
     m.view_edge = {r(v): new_of[e] for v, e in mm.view_edge.items() if r(v) in m.base_of}
     m.grads = list(dict.fromkeys(new_of[e] for e in mm.grads))
+    m.last_bucket = {new_of[e] for e in mm.last_bucket}
+    m.uses = list(dict.fromkeys(new_of[e] for e in mm.uses))
 
     def expand(choice: dict, recompute: set) -> tuple[dict, set]:
         return ({v: choice[r(v)] for v in problem.nodes},

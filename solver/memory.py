@@ -22,12 +22,36 @@
                                                      which are saved or recomputed)
          <= limit
 
-and at the end of backward, a second moment, when no activation is left:
+Gradients. With one micro-batch the backward graph reduces each block's gradients as soon as
+the block's last one is made (passes/bucket.py: a flat all-reduce or reduce-scatter per block, as
+DDP and FSDP do), so while block b's bucket is packed it holds b's unreduced gradients and their
+flat copy; the reduced result is the parameter's gradient, which ``state`` counts. That is one
+more working set under T:
+
+         T >= sum_{grad edges e of b} sum_{q,p} f[e,q,p] y[e,q,p] / n_e      (every block b)
+
+(f: :func:`in_flight`, one layer copy's: n_e the copies a shared edge sums; a gradient is in
+its parameter's block, :func:`bucket_of`), an upper bound: it adds to every saved activation,
+while a layer's backward has freed its own. The last bucket, what backward makes after the
+last layer (the embeddings' gradients), is reduced when no activation is left: it goes in the
+second moment below. A block's parameters gathered at their uses (FSDP's reshard-after-forward; bucketed per block
+and phase, passes/bucket.py) are a working set too, measured at three copies (the flat buffer
+being unpacked, its pieces, and the neighbouring block's pieces still in use):
+
+         T >= 3 sum_{uses e of b, phase} sum_{q,p} gathered[e,q,p] y[e,q,p] / n_e
+
+(outside the layers each use's gather goes alone: T >= its gathered copy).
+
+What backward cannot
+reduce that way (moves other than a summed partial to Replicate or to one Shard, and every
+gradient with K > 1 micro-batches, whose unreduced sums the runtime keeps and moves after the
+last one) it hands over at its end, a second moment, when no activation is left:
 
          sum_{v,s} state[v,s] x[v,s] + working copies
-         + sum_{grad edges e} sum_{q,p} g[e,q,p] y[e,q,p]   the gradients backward hands over,
-                                                           and their copies in the runtime's
-                                                           flat buckets (:func:`delivered`)
+         + sum_{e in the last bucket} sum_{q,p} f[e,q,p] y[e,q,p]
+         + sum_{such e} sum_{q,p} g[e,q,p] y[e,q,p]      the gradients backward hands over, and
+                                                        their copies in the runtime's flat
+                                                        buckets (:func:`delivered`)
          <= limit
 
 where k[v,s] = x[v,s] keep_v, written in its tight (convex-hull) form: k[v,s] <= x[v,s],
@@ -119,6 +143,9 @@ class MemoryModel:
     alias: dict = field(default_factory=dict)  # class member -> its class node
     view_edge: dict = field(default_factory=dict)  # view -> the edge from its base, where it may reshard
     grads: list = field(default_factory=list)  # the "grad" edges: what backward hands over, and its move
+    reduce_in_backward: bool = True  # one micro-batch: backward reduces each block's gradients itself
+    last_bucket: set = field(default_factory=set)  # grad edges reduced after the last layer's backward
+    uses: list = field(default_factory=list)   # a parameter's (or its view's) edges into its consumers
 
     @property
     def candidates(self) -> list[fx.Node]:
@@ -151,7 +178,8 @@ def _producer(node: fx.Node) -> fx.Node:
 def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float) -> MemoryModel:
     """optimizer_factor: optimizer-state bytes per parameter byte (Adam: 2)."""
     mesh = cluster.mesh_shape
-    mm = MemoryModel(limit, mesh_shape=tuple(mesh), block=dict(problem.block))
+    mm = MemoryModel(limit, mesh_shape=tuple(mesh), block=dict(problem.block),
+                     reduce_in_backward=problem.micro_batches == 1)
     trained = {name for name, g in traced.grads.items() if g is not None}
     for name, node in traced.params:
         # at its storage placement: a frozen parameter has no gradient and no optimizer state
@@ -199,6 +227,14 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
                     needed.setdefault(u)
     mm.needed = list(needed)
     mm.grads = [e for e in problem.edges if e.kind == "grad"]
+    mm.uses = [e for e in problem.edges if e.kind == "input" and e.overlap]
+    # gradients of parameters outside the layers that backward makes after the last layer (the
+    # embeddings'): their bucket is reduced when no activation is left
+    order = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
+    last = max((order[n] for n in order if n.op == "call_function" and _phase(n) == "bwd"
+                and problem.block.get(n) is not None), default=None)
+    mm.last_bucket = {e for e in mm.grads if last is not None and problem.block.get(e.dst.param) is None
+                      and order.get(e.src, -1) > last}
     mm.view_edge = {e.dst: e for e in problem.edges
                     if e.kind == "input" and not e.aligned and e.dst is not None and mm.base_of.get(e.dst) is e.src}
     return mm
@@ -355,11 +391,29 @@ def working_copies(mm: MemoryModel, choice: dict, mesh_shape) -> float:
     return total
 
 
+def in_backward(mm: MemoryModel, q, p) -> bool:
+    """Whether backward itself reduces a gradient moving from q to its storage placement p
+    (the module docstring's "Gradients")."""
+    return mm.reduce_in_backward and costmodel.bucket_move(q, p) is not None
+
+
+def in_flight(mm: MemoryModel, e, q, p) -> float:
+    """Bytes one layer copy of gradient edge ``e`` holds while backward packs its block's bucket,
+    when backward reduces it (:func:`in_backward`): the unreduced gradient (local, at q) and its
+    copy in the flat bucket (in the wire dtype). The reduced result is the parameter's gradient."""
+    if not in_backward(mm, q, p):
+        return 0.0
+    return costmodel.local_bytes(e.kept, q, mm.mesh_shape) + costmodel.local_bytes(e.moved_bytes(q, p), q, mm.mesh_shape)
+
+
 def delivered(mm: MemoryModel, e, q, p) -> float:
-    """Bytes gradient edge ``e`` holds at the end of backward when it moves from placement q to
-    its storage placement p: the unreduced gradient backward hands over (local, at q) and, when
-    that moves, its copy in the runtime's flat bucket (in the wire dtype) and a reduce-scatter's
-    result (at p); an all-reduce sums in place (passes/rewrite.py: to_storage_many)."""
+    """Bytes gradient edge ``e`` holds at the end of backward when backward hands it over
+    unreduced (not :func:`in_backward`) to move from placement q to its storage placement p: the
+    gradient (local, at q) and, when that moves, its copy in the runtime's flat bucket (in the
+    wire dtype) and a reduce-scatter's result (at p); an all-reduce sums in place (passes/bucket.py:
+    to_storage_many). Where q is p the gradient handed over is the parameter's, counted in state."""
+    if q == p or in_backward(mm, q, p):
+        return 0.0
     held = costmodel.local_bytes(e.kept, q, mm.mesh_shape)
     if costmodel.communicates(q, p):
         held += costmodel.local_bytes(e.moved_bytes(q, p), q, mm.mesh_shape)
@@ -368,32 +422,86 @@ def delivered(mm: MemoryModel, e, q, p) -> float:
     return e.weight * held
 
 
+def _grad_placements(mm: MemoryModel, e, choice: dict):
+    return e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out], e.dst_in[choice[e.dst]]
+
+
 def end_of_backward(mm: MemoryModel, choice: dict) -> float:
-    """Bytes beyond the persistent state when backward has returned (no activation left): every
-    gradient as backward hands it over, and the buckets that move them (:func:`delivered`)."""
-    total = 0.0
+    """Bytes beyond the persistent state at the end of backward (no activation left): the last
+    bucket backward reduces (:func:`in_flight`), every gradient it hands over unreduced, and the
+    buckets that move them (:func:`delivered`)."""
+    return sum(delivered(mm, e, *_grad_placements(mm, e, choice))
+               + (in_flight(mm, e, *_grad_placements(mm, e, choice)) if e in mm.last_bucket else 0.0)
+               for e in mm.grads)
+
+
+END = "end of backward"   # bucket_of's name for the bucket reduced when no activation is left
+
+
+def bucket_of(mm: MemoryModel, e) -> object:
+    """The block whose bucket reduces gradient edge ``e``: its parameter's (the runtime buckets a
+    parameter's gradient with its layer's, wherever backward sums it), or END for what backward
+    makes after the last layer (the runtime buckets consecutive gradients of one block)."""
+    return END if e in mm.last_bucket else mm.block.get(e.dst.param, e.block)
+
+
+def largest_bucket(mm: MemoryModel, choice: dict) -> float:
+    """Bytes of the largest block's gradients in flight in backward (:func:`in_flight`)."""
+    per: dict[object, float] = {}
     for e in mm.grads:
+        if e not in mm.last_bucket:
+            b = bucket_of(mm, e)
+            per[b] = per.get(b, 0.0) + in_flight(mm, e, *_grad_placements(mm, e, choice))
+    return max(per.values(), default=0.0)
+
+
+GATHERED_COPIES = 3   # a block's gathered parameters: their flat buffer, its pieces, the neighbour's
+
+
+def gathered(mm: MemoryModel, e, q, p) -> float:
+    """Bytes of the copy a parameter use ``e`` (one of :attr:`MemoryModel.uses`) gathers when
+    the consumer needs placement p of the parameter's q (FSDP's reshard-after-forward); one
+    layer copy's."""
+    return costmodel.local_bytes(e.nbytes, p, mm.mesh_shape) if costmodel.communicates(q, p) else 0.0
+
+
+def gather_of(mm: MemoryModel, e) -> tuple[tuple, int]:
+    """The bucket a parameter use's gather goes in, and the copies it holds: in a layer, its
+    consumer's block (one layer copy's) and phase (passes/bucket.py gathers a block's parameters
+    at once in forward, and again in backward), GATHERED_COPIES; outside the layers the use
+    alone, one copy (the gather's result)."""
+    block, phase = mm.block.get(e.dst), e.dst.meta[COST_KEY].phase
+    return ((block, phase), GATHERED_COPIES) if block is not None else ((e, phase), 1)
+
+
+def largest_gather(mm: MemoryModel, choice: dict) -> float:
+    """The largest bucket's gathered parameters (:func:`gathered`), times its copies."""
+    per: dict[tuple, float] = {}
+    for e in mm.uses:
         q = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
-        total += delivered(mm, e, q, e.dst_in[choice[e.dst]])
-    return total
+        key, copies = gather_of(mm, e)
+        per[key] = per.get(key, 0.0) + copies * gathered(mm, e, q, e.dst_in[choice[e.dst]])
+    return max(per.values(), default=0.0)
 
 
 def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, float]:
     """The peak a chosen plan needs: the bytes the runtime will actually hold, which the ILP's
     rows bound from above (its slack variables may sit anywhere below the limit). The peak is
     the larger of two moments: the start of backward (state, saved activations, recomputed
-    values, the largest op's working set) and its end (state, the gradients handed over and
-    their buckets); "grad_delivery" is what the end adds above the start, so the parts sum to
-    the peak."""
+    values, the largest working set: an op's, a block's gradients in flight, or a block's
+    gathered parameters) and its end (state, the last bucket, the gradients handed over
+    unreduced and their buckets). "grad_delivery" is what the end adds above the start, so the
+    parts sum to the peak."""
     out = {
         "state": sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape),
         "activations": sum(saved_bytes(mm, choice, recompute).values()),
         # replayed in backward: the recomputed values of the block whose backward runs
         "recomputed": recomputed_live(mm, choice, recompute),
-        "transient": max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
+        "transient": max(max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
+                         largest_bucket(mm, choice), largest_gather(mm, choice)),
     }
-    out["grad_delivery"] = max(0.0, end_of_backward(mm, choice) - out["activations"] - out["recomputed"]
-                               - out["transient"])
+    start = out["activations"] + out["recomputed"] + out["transient"]
+    out["grad_delivery"] = max(0.0, end_of_backward(mm, choice) - start)
     return out
 
 

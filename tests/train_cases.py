@@ -205,11 +205,11 @@ def planned(plan, role: str) -> int:
 
 def planned_buckets(dm, role: str) -> int:
     """The once-per-step collectives of ``role`` ("grad", "gather") as the module issues them:
-    the moves it buckets (rewrite.to_storage_many, rewrite.gather_many) one flat collective per
+    the moves it buckets (bucket.to_storage_many, bucket.gather_many) one flat collective per
     group and mesh dim (the setups' tensors fit one bucket), any other move as the plan lists its
     collectives (at the parameter's node)."""
     from autoshard import costmodel
-    from autoshard.passes import rewrite
+    from autoshard.passes import bucket
 
     params = [n.name for n in dm.plan.nodes if n.op == "placeholder"][:len(dm._param_names)]
     listed = {n.name: sum(1 for c in n.comm if c.get("role") == role) for n in dm.plan.nodes}
@@ -219,10 +219,10 @@ def planned_buckets(dm, role: str) -> int:
         if role == "grad" and dm._grad_placements[i] is not None:
             pl = tuple(dm._grad_placements[i])
             local = torch.empty(costmodel.local_shape(p.shape, pl, dm.mesh.shape), device="meta")
-            how = rewrite._bucketable(local, pl, p) if listed[params[i]] else None
+            how = bucket.bucketable(local.shape, pl, p) if listed[params[i]] else None
             key = None if how is None else ("grad", how[:2], len(how[1]) if how[0] == "all_reduce" else 1)
         elif role == "gather" and i in dm._working:
-            how = rewrite._gather_dims(p, dm._working[i])
+            how = bucket._gather_dims(p, dm._working[i])
             key = None if how is None else ("gather", how[0], p.dtype, 1)
         else:
             continue
