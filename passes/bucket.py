@@ -8,9 +8,9 @@ step, 1.96x torch's FSDP step. Four places bucket:
   while the previous block computes (FSDP's per-module gather and prefetch).
 - :func:`reduce_gradients`, a graph pass: backward reduces each block's gradients into their
   storage placement as soon as the block's last one is made (DDP's and FSDP's bucketed
-  reduction), issued there and waited for at the end of backward, so the reduction runs while
-  backward goes on and a block's unreduced gradients are freed at once instead of living to the
-  end of backward (solver/memory.py counts one block's in flight).
+  reduction), issued there and waited for when the next bucket is issued, so the reduction runs
+  while backward goes on and a block's unreduced gradients are freed at once instead of living
+  to the end of backward (solver/memory.py counts one block's in flight).
 - :func:`gather_many` (runtime): working copies gathered once per step.
 - :func:`to_storage_many` (runtime): the same reductions after backward, for what backward hands
   over unreduced (gradients summed over micro-batches, moves the graph does not bucket).
@@ -19,12 +19,14 @@ The moves bucketed: a summed partial into Replicate on any mesh dims (all-reduce
 Shard(k) on one mesh dim that no other splits (reduce-scatter, FSDP); a Shard(k) gathered into
 Replicate on one mesh dim (all-gather). Anything else goes alone, through DTensor.
 
-Example (inside a process group; ``bw`` the backward graph, ``moves`` as
-:func:`gradient_buckets` makes them)::
+Example (inside a process group; ``bw`` the backward graph of a 2-layer GPT's DDP plan,
+``moves`` its gradients [(output index, placements, parameter, block)] in the order backward
+makes them, ``dtypes`` theirs; autoshard/api.py builds both)::
 
-    >>> bw_sync, reduced = reduce_gradients(bw, gradient_buckets(moves, mesh, None), block_of)
-    >>> sum(1 for n in bw_sync.graph.nodes if n.op == "call_module")   # issue + wait per bucket
-    6
+    >>> buckets = gradient_buckets(moves, None, dtypes)
+    >>> [b.kind for b in buckets]    # the final norm's, each layer's, the embeddings'
+    ['all_reduce', 'all_reduce', 'all_reduce', 'all_reduce']
+    >>> bw_sync = reduce_gradients(bw, buckets)   # one issue and one wait node per bucket
 """
 
 from __future__ import annotations
