@@ -50,9 +50,17 @@ GRAD_BUCKET_BYTES = 64 * 2**20   # a flat buffer's cap: bounds the transient cop
 def bucketable(local_shape, placements: tuple, param: DTensor):
     """How one flat collective per bucket makes this gradient move (costmodel.bucket_move:
     ("all_reduce", mesh dims) or ("reduce_scatter", mesh dim, k)), given the gradient's local
-    shape: a reduce-scatter needs dim k to split evenly. None for any other move."""
+    shape: a reduce-scatter needs dim k to split evenly, and every rank's piece must have the same
+    shape. None for any other move."""
     how = costmodel.bucket_move(tuple(placements), tuple(param.placements))
-    if how is not None and how[0] == "reduce_scatter":
+    # every rank's piece the same shape: a bucket's layout is the same on all ranks
+    split: dict[int, int] = {}
+    for d, pl in enumerate(placements):
+        if isinstance(pl, Shard):
+            split[pl.dim] = split.get(pl.dim, 1) * param.device_mesh.size(d)
+    if how is None or any(param.shape[k] % n for k, n in split.items()):
+        return None
+    if how[0] == "reduce_scatter":
         _, d, k = how
         if not (0 <= k < len(local_shape) and local_shape[k] % param.device_mesh.size(d) == 0):
             return None
@@ -70,10 +78,6 @@ class GradBucket:
     dtypes: tuple                # per member: its dtype (the sum runs in ``wire``)
     wire: torch.dtype
     indices: tuple = ()          # per member: its position among the backward graph's outputs
-
-    @property
-    def nbytes(self) -> int:
-        return sum(torch.Size(s).numel() for s in self.shapes) * self.wire.itemsize
 
 
 def _pack(grads, b: GradBucket) -> torch.Tensor:
@@ -193,7 +197,8 @@ def reduce_gradients(bw: fx.GraphModule, buckets: list[GradBucket]) -> fx.GraphM
         gm.add_submodule(f"grad_bucket_{j}", _IssueBucket(b))
         with graph.inserting_after(max(members, key=pos.__getitem__)):
             issued.append(graph.call_module(f"grad_bucket_{j}", tuple(members)))
-    issued.sort(key=lambda n: pos.get(n.prev, -1))   # in graph order
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    issued.sort(key=order.__getitem__)
     for k, node in enumerate(issued):
         j = int(node.target.rsplit("_", 1)[1])
         gm.add_submodule(f"grad_bucket_{j}_wait", _FinishBucket(buckets[j]))
