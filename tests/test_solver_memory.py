@@ -97,3 +97,31 @@ def test_random_ops_are_never_recomputed():
     seeded = [n for n in problem.nodes if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
     assert seeded, "the trace has a seeded random op"
     assert not set(seeded) & set(mm.recomputable)
+
+
+# ----------------------------------------------------------------- gradient buckets, gathered copies
+def test_gradient_bucket_and_gathered_copy_bytes_by_hand():
+    """One gradient of N bytes (global) on 2 ranks: reduced in backward it holds its unreduced
+    copy and the flat bucket's (2N for a partial sum, whichever the storage); a use that gathers
+    a sharded parameter holds the full copy (N); nothing moves, nothing is held."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from autoshard import costmodel
+    from autoshard.solver.formulation import Edge
+    from autoshard.solver.memory import MemoryModel, delivered, gathered, in_flight
+
+    N = 4096.0
+    e = Edge(None, 0, None, None, N, kind="grad", kept=N)
+    mm = MemoryModel(1e9, mesh_shape=(2,))
+    P, R, S0, S1 = (Partial(),), (Replicate(),), (Shard(0),), (Shard(1),)
+    assert costmodel.bucket_move(P, R) == ("all_reduce", (0,))
+    assert costmodel.bucket_move(P, S1) == ("reduce_scatter", 0, 1)
+    assert costmodel.bucket_move(S0, R) is None and costmodel.bucket_move(R, R) is None
+    assert in_flight(mm, e, P, R) == in_flight(mm, e, P, S0) == 2 * N
+    assert in_flight(mm, e, S0, S0) == 0 and delivered(mm, e, P, R) == 0   # reduced in backward
+    # with accumulation the runtime hands it over unreduced: the gradient, its bucket copy, and
+    # a reduce-scatter's result (N / 2)
+    mm.reduce_in_backward = False
+    assert in_flight(mm, e, P, S0) == 0 and delivered(mm, e, P, S0) == 2.5 * N and delivered(mm, e, P, R) == 2 * N
+    use = Edge(None, 0, None, None, N)
+    assert gathered(mm, use, S0, R) == N and gathered(mm, use, S0, S0) == 0 and gathered(mm, use, R, S0) == 0
