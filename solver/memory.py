@@ -34,18 +34,17 @@ more working set under T:
 its parameter's block, :func:`bucket_of`), an upper bound: it adds to every saved activation,
 while a layer's backward has freed its own. The last bucket, what backward makes after the
 last layer (the embeddings' gradients), is reduced when no activation is left: it goes in the
-second moment below. A block's parameters gathered at their uses (FSDP's reshard-after-forward; bucketed per block
-and phase, passes/bucket.py) are a working set too, measured at three copies (the flat buffer
-being unpacked, its pieces, and the neighbouring block's pieces still in use):
+second moment below. A block's parameters gathered at their uses (FSDP's reshard-after-forward;
+bucketed per block and phase, passes/bucket.py) are a working set too, measured at three copies
+(the flat buffer being unpacked, its pieces, and the neighbouring block's pieces still in use):
 
          T >= 3 sum_{uses e of b, phase} sum_{q,p} gathered[e,q,p] y[e,q,p] / n_e
 
 (outside the layers each use's gather goes alone: T >= its gathered copy).
 
-What backward cannot
-reduce that way (moves other than a summed partial to Replicate or to one Shard, and every
-gradient with K > 1 micro-batches, whose unreduced sums the runtime keeps and moves after the
-last one) it hands over at its end, a second moment, when no activation is left:
+What backward cannot reduce that way (moves other than a summed partial to Replicate or to one
+Shard, and every gradient with K > 1 micro-batches, whose unreduced sums the runtime keeps and
+moves after the last one) it hands over at its end, a second moment, when no activation is left:
 
          sum_{v,s} state[v,s] x[v,s] + working copies
          + sum_{e in the last bucket} sum_{q,p} f[e,q,p] y[e,q,p]
