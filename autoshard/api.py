@@ -432,9 +432,9 @@ def _reducing_backward(bw, traced, params: dict, grad_pl: list, block_of: dict, 
         if pl is None or not isinstance(g, fx.Node) or tuple(pl) == tuple(params[name].placements):
             continue
         # bucketed by the parameter's block (a layer's bias gradient is summed where the next begins)
-        moves.append((pos[g], (i, tuple(pl), params[name], block_of.get(node.name)), g.meta["val"].dtype))
+        moves.append((pos[g], i, tuple(pl), params[name], block_of.get(node.name), g.meta["val"].dtype))
     moves.sort(key=lambda m: m[0])   # in the order backward makes them
-    buckets = gradient_buckets([m for _, m, _ in moves], reduce_dtype, [d for _, _, d in moves])
+    buckets = gradient_buckets([m[1:] for m in moves], reduce_dtype)
     if not buckets:
         return None, ()
     return reduce_gradients(bw, buckets), tuple(i for b in buckets for i in b.indices)

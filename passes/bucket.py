@@ -20,10 +20,10 @@ Shard(k) on one mesh dim that no other splits (reduce-scatter, FSDP); a Shard(k)
 Replicate on one mesh dim (all-gather). Anything else goes alone, through DTensor.
 
 Example (inside a process group; ``bw`` the backward graph of a 2-layer GPT's DDP plan,
-``moves`` its gradients [(output index, placements, parameter, block)] in the order backward
-makes them, ``dtypes`` theirs; autoshard/api.py builds both)::
+``moves`` its gradients [(output index, placements, parameter, block, dtype)] in the order
+backward makes them, as autoshard/api.py lists them)::
 
-    >>> buckets = gradient_buckets(moves, None, dtypes)
+    >>> buckets = gradient_buckets(moves, None)
     >>> [b.kind for b in buckets]    # the final norm's, each layer's, the embeddings'
     ['all_reduce', 'all_reduce', 'all_reduce', 'all_reduce']
     >>> bw_sync = reduce_gradients(bw, buckets)   # one issue and one wait node per bucket
@@ -138,11 +138,12 @@ class _FinishBucket(_IssueBucket):
         return tuple(_finish(pending, self.bucket))
 
 
-def gradient_buckets(moves: list[tuple[int, tuple, DTensor, object]], reduce_dtype: torch.dtype | None,
-                     dtypes: list[torch.dtype], cap: int = GRAD_BUCKET_BYTES) -> list[GradBucket]:
-    """``moves`` [(backward output index, its placements, the parameter, its block)], in the order
-    backward makes them, as buckets: consecutive moves of one block and the same kind, mesh dims
-    and dtype, up to ``cap`` bytes (in the wire dtype: ``reduce_dtype`` or the gradient's own)."""
+def gradient_buckets(moves: list[tuple[int, tuple, DTensor, object, torch.dtype]], reduce_dtype: torch.dtype | None,
+                     cap: int = GRAD_BUCKET_BYTES) -> list[GradBucket]:
+    """``moves`` [(backward output index, its placements, the parameter, its block, the gradient's
+    dtype)], in the order backward makes them, as buckets: consecutive moves of one block and the
+    same kind, mesh dims and dtype, up to ``cap`` bytes (in the wire dtype: ``reduce_dtype`` or the
+    gradient's own)."""
     buckets: list[GradBucket] = []
     open_: dict = {}      # (kind, dims, dtype) -> members [(index, shape, k)] of the bucket filling
     block = object()
@@ -156,7 +157,7 @@ def gradient_buckets(moves: list[tuple[int, tuple, DTensor, object]], reduce_dty
                                   tuple(s for _, s, _ in members), (dtype,) * len(members),
                                   reduce_dtype or dtype, tuple(i for i, _, _ in members)))
 
-    for (i, placements, param, blk), dtype in zip(moves, dtypes):
+    for i, placements, param, blk, dtype in moves:
         shape = costmodel.local_shape(param.shape, placements, param.device_mesh.shape)
         how = bucketable(shape, placements, param)
         if how is None:
@@ -225,9 +226,9 @@ def to_storage_many(grads: list, moves: list[tuple[int, tuple, DTensor]],
             out[j] = to_storage(grads[i], placements, param, reduce_dtype)
             grads[i] = None
         else:
-            listed.append((j, placements, param, None))
+            listed.append((j, placements, param, None, grads[i].dtype))
     by_index = {j: (i, param) for j, (i, _, param) in enumerate(moves)}
-    for b in gradient_buckets(listed, reduce_dtype, [grads[moves[j][0]].dtype for j, _, _, _ in listed]):
+    for b in gradient_buckets(listed, reduce_dtype):
         members = [grads[by_index[j][0]] for j in b.indices]
         for j in b.indices:
             grads[by_index[j][0]] = None

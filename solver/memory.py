@@ -421,7 +421,8 @@ def delivered(mm: MemoryModel, e, q, p) -> float:
     return e.weight * held
 
 
-def _grad_placements(mm: MemoryModel, e, choice: dict):
+def _edge_placements(e, choice: dict):
+    """(source, destination) placements of edge ``e`` under the plan ``choice``."""
     return e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out], e.dst_in[choice[e.dst]]
 
 
@@ -429,8 +430,8 @@ def end_of_backward(mm: MemoryModel, choice: dict) -> float:
     """Bytes beyond the persistent state at the end of backward (no activation left): the last
     bucket backward reduces (:func:`in_flight`), every gradient it hands over unreduced, and the
     buckets that move them (:func:`delivered`)."""
-    return sum(delivered(mm, e, *_grad_placements(mm, e, choice))
-               + (in_flight(mm, e, *_grad_placements(mm, e, choice)) if e in mm.last_bucket else 0.0)
+    return sum(delivered(mm, e, *_edge_placements(e, choice))
+               + (in_flight(mm, e, *_edge_placements(e, choice)) if e in mm.last_bucket else 0.0)
                for e in mm.grads)
 
 
@@ -444,14 +445,18 @@ def bucket_of(mm: MemoryModel, e) -> object:
     return END if e in mm.last_bucket else mm.block.get(e.dst.param, e.block)
 
 
+def _largest(pairs) -> float:
+    """The largest sum of bytes over [(key, bytes)] by key."""
+    per: dict[object, float] = {}
+    for key, nbytes in pairs:
+        per[key] = per.get(key, 0.0) + nbytes
+    return max(per.values(), default=0.0)
+
+
 def largest_bucket(mm: MemoryModel, choice: dict) -> float:
     """Bytes of the largest block's gradients in flight in backward (:func:`in_flight`)."""
-    per: dict[object, float] = {}
-    for e in mm.grads:
-        if e not in mm.last_bucket:
-            b = bucket_of(mm, e)
-            per[b] = per.get(b, 0.0) + in_flight(mm, e, *_grad_placements(mm, e, choice))
-    return max(per.values(), default=0.0)
+    return _largest((bucket_of(mm, e), in_flight(mm, e, *_edge_placements(e, choice)))
+                    for e in mm.grads if e not in mm.last_bucket)
 
 
 GATHERED_COPIES = 3   # a block's gathered parameters: their flat buffer, its pieces, the neighbour's
@@ -475,12 +480,8 @@ def gather_of(mm: MemoryModel, e) -> tuple[tuple, int]:
 
 def largest_gather(mm: MemoryModel, choice: dict) -> float:
     """The largest bucket's gathered parameters (:func:`gathered`), times its copies."""
-    per: dict[tuple, float] = {}
-    for e in mm.uses:
-        q = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
-        key, copies = gather_of(mm, e)
-        per[key] = per.get(key, 0.0) + copies * gathered(mm, e, q, e.dst_in[choice[e.dst]])
-    return max(per.values(), default=0.0)
+    return _largest((gather_of(mm, e)[0], gather_of(mm, e)[1] * gathered(mm, e, *_edge_placements(e, choice)))
+                    for e in mm.uses)
 
 
 def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, float]:

@@ -128,23 +128,21 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     t = solver.NumVar(0, solver.infinity(), "")
     for v in mm.work:
         solver.Add(t >= solver.Sum([var * (w / MB) for var, w in expr(mm.work, v)]))
-    bucket: dict[object, list] = {END: []}
-    for e in mm.grads:
-        bucket.setdefault(bucket_of(mm, e), []).extend(
-            (var, f) for var, _, (q, p) in reshard_terms.get(e, []) for f in [in_flight(mm, e, q, p)] if f > 0)
-    for b, terms in bucket.items():
-        if terms and b != END:
-            solver.Add(t >= solver.Sum([var * (f / MB) for var, f in terms]))
     #   T >= GATHERED_COPIES sum_{uses e of b, phase} sum_{q,p} gathered[e,q,p] y[e,q,p] / n_e
     #   (a use outside the layers alone: T >= its gathered copy)
-    gathers: dict[tuple, list] = {}
-    for e in mm.uses:
-        key, copies = gather_of(mm, e)
-        gathers.setdefault(key, []).extend(
-            (var, copies * g) for var, _, (q, p) in reshard_terms.get(e, []) for g in [gathered(mm, e, q, p)] if g > 0)
-    for terms in gathers.values():
-        if terms:
-            solver.Add(t >= solver.Sum([var * (g / MB) for var, g in terms]))
+    def grouped(edges, key, nbytes) -> dict:   # key -> [(var, bytes)] over the edges' moves
+        out: dict = {}
+        for e in edges:
+            out.setdefault(key(e), []).extend((var, b) for var, _, (q, p) in reshard_terms.get(e, [])
+                                              for b in [nbytes(e, q, p)] if b > 0)
+        return out
+
+    bucket = grouped(mm.grads, lambda e: bucket_of(mm, e), lambda e, q, p: in_flight(mm, e, q, p))
+    gathers = grouped(mm.uses, lambda e: gather_of(mm, e)[0],
+                      lambda e, q, p: gather_of(mm, e)[1] * gathered(mm, e, q, p))
+    for b, terms in [*bucket.items(), *gathers.items()]:
+        if terms and b != END:
+            solver.Add(t >= solver.Sum([var * (c / MB) for var, c in terms]))
 
     # recomputed values live in backward, replayed at its start (a_v) or lazily per block:
     #   a_u >= r_u (u read first),  a_u >= a_v + r_u - 1 (u an input of v),  a_v <= r_v
@@ -165,7 +163,7 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     # unreduced and their buckets), a moment only where it holds more than the state
     state_terms = [term for v in mm.state for term in expr(mm.state, v)]
     backward_start = state_terms + held + saved_terms + copied + [(t_rec, MB), (t, MB)]
-    handed = bucket[END] + [(var, d) for e in mm.grads for var, _, (q, p) in reshard_terms.get(e, [])
+    handed = bucket.get(END, []) + [(var, d) for e in mm.grads for var, _, (q, p) in reshard_terms.get(e, [])
                             for d in [delivered(mm, e, q, p)] if d > 0]
     rows = [solver.Sum([var * (c / MB) for var, c in terms])
             for terms in (backward_start, state_terms + held + handed) if terms is backward_start or handed]
