@@ -91,8 +91,8 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
     predicted peak; ``recompute=False`` forbids recomputing activations, ``recompute="full"``
     recomputes every activation it can (full activation checkpointing); ``share_layers=False``
-    gives every repeated layer its own decisions and ``followers=False`` every view and elementwise
-    op (passes/coarsen.py; both off: the exact, larger problem); ``progress`` shows
+    gives every repeated layer its own decisions and ``followers=False`` every elementwise op
+    (passes/coarsen.py; both off: the exact, larger problem); ``progress`` shows
     each stage on stderr (default: when stderr is a terminal). ``allow(node, strategy) -> bool``
     limits the strategies the solver may pick (how :mod:`autoshard.baselines` pins hand-written
     strategies on the same problem). ``mixed_precision`` (a :class:`MixedPrecision`) plans the

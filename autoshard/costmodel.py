@@ -153,4 +153,14 @@ def local_shape(shape, placements, mesh_shape) -> tuple[int, ...]:
     return tuple(out)
 
 
+def splits_evenly(shape, placements, mesh_shape) -> bool:
+    """Whether every rank's piece of a tensor of ``shape`` at ``placements`` has the same shape:
+    each sharded dim divides by the product of the mesh dims that split it."""
+    split: dict[int, int] = {}
+    for p, m in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            split[p.dim] = split.get(p.dim, 1) * m
+    return all(shape[k] % n == 0 for k, n in split.items())
+
+
 tensor_nbytes = tensor_bytes  # bytes of a tensor (or of the tensors in a tuple); 0 for anything else

@@ -7,7 +7,7 @@ recompute (found by a separate, untimed trace and solve), so every depth is plan
 sharding and some recompute are forced at 2 layers as at 80. A fixed cap (default 40 GB) binds
 only the deep models. ``--no-followers`` also times the problem without follower coarsening.
 
-    .venv/bin/python bench/plan_time.py [--layers 2 8 32 80] [--hidden 4096 8192] [--cap-gb 40|auto]
+    .venv/bin/python bench/plan_time.py [--layers 2 8 32 80] [--hidden 4096 8192] [--cap-gb 40|auto] [--out FILE]
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--no-share", action="store_true", help="also time the problem without layer sharing")
     ap.add_argument("--no-followers", action="store_true", help="also time the problem without followers")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "plan_time.json")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     rows = []
@@ -92,9 +93,8 @@ def main() -> None:
                 rows.append(queue.get())
                 proc.join()
                 print(json.dumps(rows[-1]), flush=True)
-    out = Path(__file__).parent / "out"
-    out.mkdir(exist_ok=True)
-    (out / "plan_time.json").write_text(json.dumps(rows, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1))
 
     from rich.console import Console
     from rich.table import Table

@@ -47,23 +47,16 @@ GRAD_BUCKET_BYTES = 64 * 2**20   # a flat buffer's cap: bounds the transient cop
 
 
 # --- reductions -------------------------------------------------------------------------------
-def bucketable(local_shape, placements: tuple, param: DTensor):
-    """How one flat collective per bucket makes this gradient move (costmodel.bucket_move:
-    ("all_reduce", mesh dims) or ("reduce_scatter", mesh dim, k)), given the gradient's local
-    shape: a reduce-scatter needs dim k to split evenly, and every rank's piece must have the same
-    shape. None for any other move."""
+def bucketable(placements: tuple, param: DTensor):
+    """How one flat collective per bucket makes this gradient move from ``placements`` to its
+    parameter's (costmodel.bucket_move: ("all_reduce", mesh dims) or ("reduce_scatter", mesh dim,
+    k)); None for any other move, or when a rank's piece, before or after, differs in shape from
+    another's: a bucket's layout must be the same on all ranks."""
     how = costmodel.bucket_move(tuple(placements), tuple(param.placements))
-    # every rank's piece the same shape: a bucket's layout is the same on all ranks
-    split: dict[int, int] = {}
-    for d, pl in enumerate(placements):
-        if isinstance(pl, Shard):
-            split[pl.dim] = split.get(pl.dim, 1) * param.device_mesh.size(d)
-    if how is None or any(param.shape[k] % n for k, n in split.items()):
+    mesh = param.device_mesh.shape
+    if how is None or not (costmodel.splits_evenly(param.shape, placements, mesh)
+                           and costmodel.splits_evenly(param.shape, param.placements, mesh)):
         return None
-    if how[0] == "reduce_scatter":
-        _, d, k = how
-        if not (0 <= k < len(local_shape) and local_shape[k] % param.device_mesh.size(d) == 0):
-            return None
     return how
 
 
@@ -159,7 +152,7 @@ def gradient_buckets(moves: list[tuple[int, tuple, DTensor, object, torch.dtype]
 
     for i, placements, param, blk, dtype in moves:
         shape = costmodel.local_shape(param.shape, placements, param.device_mesh.shape)
-        how = bucketable(shape, placements, param)
+        how = bucketable(placements, param)
         if how is None:
             continue
         if blk != block:
@@ -222,7 +215,7 @@ def to_storage_many(grads: list, moves: list[tuple[int, tuple, DTensor]],
     out: list = [None] * len(moves)
     listed = []
     for j, (i, placements, param) in enumerate(moves):
-        if bucketable(grads[i].shape, placements, param) is None:
+        if bucketable(placements, param) is None:
             out[j] = to_storage(grads[i], placements, param, reduce_dtype)
             grads[i] = None
         else:
@@ -313,13 +306,15 @@ def bucket_gathers(gm: fx.GraphModule, block_of: dict[str, object]) -> fx.GraphM
     for node in gm.graph.nodes:
         if not (_torch.is_all_gather(node) and len(node.users) == 1 and _input_chain(node) is not None):
             continue
-        k = (_torch.all_gather_key(node), block_of.get((node.meta.get("custom") or {}).get(ORIGIN)))
+        origin = (node.meta.get("custom") or {}).get(ORIGIN)
+        k = (_torch.all_gather_key(node), block_of.get(origin))
         if k[1] is None:
             # a consumer outside the layers (a parameter's view) goes with its layer's gathers;
-            # any other alone: merging a model's gathers outside layers (all of them, without
-            # layers) would gather those parameters all at once
+            # any other with the gathers of its own consumer only (a norm's weight and bias):
+            # merging a model's gathers outside layers (all of them, without layers) would
+            # gather those parameters all at once
             joins = current and k[0] == key[0] and not isinstance(key[1], _Alone)
-            k = key if joins else (k[0], _Alone(node))
+            k = key if joins else (k[0], _Alone(origin))
         if k != key and current:
             buckets.append(current)
             current = []
@@ -344,8 +339,9 @@ def bucket_gathers(gm: fx.GraphModule, block_of: dict[str, object]) -> fx.GraphM
 
 @dataclass(frozen=True)
 class _Alone:
-    """bucket_gathers' key for a gather outside the layers that goes alone."""
-    node: fx.Node
+    """bucket_gathers' key for gathers outside the layers that go alone: those of one consumer
+    (its joint-graph name)."""
+    consumer: str
 
 
 def _input_chain(gather: fx.Node) -> list[fx.Node] | None:

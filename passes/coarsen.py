@@ -4,9 +4,9 @@ one set of decisions.
 Followers (:func:`mark_followers`). An op *follows* one of its tensor inputs when the edge from
 that input is *aligned* (solver/formulation.py): the op takes the placement the input arrives in,
 or a free slice of it (a replicated dim sharded), and the edge needs no flow variables. Followers
-are the ops with a single user that are
+are the elementwise ops with a single user:
 
-* views and casts of one input (``aten._to_copy`` included), and elementwise ops of one input;
+* elementwise ops of one input, casts (``aten._to_copy``) included;
 * in backward, elementwise ops of several inputs, following the largest (the first on ties).
 
 An input qualifies only when the op accepts every placement its producer can output, so no
@@ -14,19 +14,26 @@ producer choice is cut off. What the merge gives up, and why these and no others
 
 * one input, one user: nothing in bytes. A resharding before the op can move to the edge after
   it and carries the same data (the same collective on the same dims; a cast's is narrower);
-  the op computes on a slice when its input is replicated. Exact up to the rare view whose
-  output has a cheaper move than its input.
+  the op computes on a slice when its input is replicated.
 * several users: moving the resharding past the op would repeat it on every user (a ReLU whose
   output feeds the next convolution and its own backward). Not merged.
 * several inputs: which input moves to meet the others is fixed (the smaller ones). In forward
   that joins two streams whose producers want different layouts (a residual add after a
   channel-sharded BatchNorm): not merged. In backward the followed input is the gradient being
   carried, the others saved values; there the optimum did not change on the zoo.
+* views (``t``, ``view``, ``transpose``, ...): not merged, though the same argument holds for
+  bytes. The edge after a view is often of another kind than the one before it: a weight's
+  gradient is ``t(mm(...))``, and a move after the ``t`` is the gradient's move to storage,
+  bucketed and overlapped, which a two-dim move cannot fully be (costmodel.bucket_move), while a
+  move before it is on the critical path. With views as followers the plan could not split such
+  a move in two (one dim in the graph, one in the bucket). Measured on Llama-3-8B shapes on 8x8
+  H100s (8 layers at 18 GB, 32 at 40 and 54 GB, 80 at 40 GB), views as followers gave plans
+  0.3-2.4% slower and solves 1.3-2.5x longer, although the ILP had 16% fewer columns.
 
-Measured (objective with vs without followers): equal on ResNet-50 at 8 GPUs, Llama-3-8B shapes
-on 8x8 H100 (8 and 32 layers), and the models of tests/test_coarsen.py, which bounds the
-difference at 1%; the Llama ILP has about 30% fewer columns. ``plan(followers=False)`` gives
-every op its own choice.
+Measured (objective with vs without followers): equal within the solver's 0.1% gap on those
+Llama shapes (8 layers at 18 GB, 32 and 80 at 40 GB) and on the models of tests/test_coarsen.py,
+which bounds the difference at 1%; the small Llama's ILP there has about 20% fewer columns.
+``plan(followers=False)`` gives every op its own choice.
 
 Facts go to ``node.meta["autoshard.follows"]``: the index (in ``tensor_inputs`` order) of the
 input the node follows.
@@ -82,12 +89,10 @@ def mark_followers(traced) -> dict[fx.Node, int]:
         args = tensor_inputs(node)
         if len(node.users) != 1:  # moving a resharding past the op could multiply it by its fan-out
             continue
-        if is_free(node):
-            if len(args) != 1:
-                continue
-        elif not args or not (torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in _CASTS):
+        if is_free(node) or not args or not (torch.Tag.pointwise in getattr(node.target, "tags", ())
+                                             or node.target in _CASTS):  # views: see the module doc
             continue
-        elif len(args) > 1 and node.meta[COST_KEY].phase != "bwd":  # a forward join: see the module doc
+        if len(args) > 1 and node.meta[COST_KEY].phase != "bwd":  # a forward join: see the module doc
             continue
         numel = [a.meta["val"].numel() if isinstance(a.meta.get("val"), torch.Tensor) else -1 for a in args]
         i = max(range(len(args)), key=lambda j: (numel[j], -j))

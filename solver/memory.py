@@ -40,11 +40,12 @@ bucketed per block and phase, passes/bucket.py) are a working set too, measured 
 
          T >= 3 sum_{uses e of b, phase} sum_{q,p} gathered[e,q,p] y[e,q,p] / n_e
 
-(outside the layers each use's gather goes alone: T >= its gathered copy).
+(outside the layers the gathers of one consumer go together: T >= their gathered copies).
 
 What backward cannot reduce that way (moves other than a summed partial to Replicate or to one
-Shard, and every gradient with K > 1 micro-batches, whose unreduced sums the runtime keeps and
-moves after the last one) it hands over at its end, a second moment, when no activation is left:
+Shard, moves whose pieces differ in shape from rank to rank, and every gradient with K > 1
+micro-batches, whose unreduced sums the runtime keeps and moves after the last one) it hands
+over at its end, a second moment, when no activation is left:
 
          sum_{v,s} state[v,s] x[v,s] + working copies
          + sum_{e in the last bucket} sum_{q,p} f[e,q,p] y[e,q,p]
@@ -390,17 +391,21 @@ def working_copies(mm: MemoryModel, choice: dict, mesh_shape) -> float:
     return total
 
 
-def in_backward(mm: MemoryModel, q, p) -> bool:
-    """Whether backward itself reduces a gradient moving from q to its storage placement p
-    (the module docstring's "Gradients")."""
-    return mm.reduce_in_backward and costmodel.bucket_move(q, p) is not None
+def in_backward(mm: MemoryModel, e, q, p) -> bool:
+    """Whether backward itself reduces gradient edge ``e`` moving from q to its storage placement
+    p (the module docstring's "Gradients"): a bucketable move whose pieces are alike on every rank
+    (passes/bucket.py: bucketable); an uneven one is handed over and moved after backward."""
+    if not (mm.reduce_in_backward and costmodel.bucket_move(q, p) is not None):
+        return False
+    shape = e.dst.param.meta["val"].shape
+    return costmodel.splits_evenly(shape, q, mm.mesh_shape) and costmodel.splits_evenly(shape, p, mm.mesh_shape)
 
 
 def in_flight(mm: MemoryModel, e, q, p) -> float:
     """Bytes one layer copy of gradient edge ``e`` holds while backward packs its block's bucket,
     when backward reduces it (:func:`in_backward`): the unreduced gradient (local, at q) and its
     copy in the flat bucket (in the wire dtype). The reduced result is the parameter's gradient."""
-    if not in_backward(mm, q, p):
+    if not in_backward(mm, e, q, p):
         return 0.0
     return costmodel.local_bytes(e.kept, q, mm.mesh_shape) + costmodel.local_bytes(e.moved_bytes(q, p), q, mm.mesh_shape)
 
@@ -411,7 +416,7 @@ def delivered(mm: MemoryModel, e, q, p) -> float:
     gradient (local, at q) and, when that moves, its copy in the runtime's flat bucket (in the
     wire dtype) and a reduce-scatter's result (at p); an all-reduce sums in place (passes/bucket.py:
     to_storage_many). Where q is p the gradient handed over is the parameter's, counted in state."""
-    if q == p or in_backward(mm, q, p):
+    if q == p or in_backward(mm, e, q, p):
         return 0.0
     held = costmodel.local_bytes(e.kept, q, mm.mesh_shape)
     if costmodel.communicates(q, p):
@@ -472,10 +477,10 @@ def gathered(mm: MemoryModel, e, q, p) -> float:
 def gather_of(mm: MemoryModel, e) -> tuple[tuple, int]:
     """The bucket a parameter use's gather goes in, and the copies it holds: in a layer, its
     consumer's block (one layer copy's) and phase (passes/bucket.py gathers a block's parameters
-    at once in forward, and again in backward), GATHERED_COPIES; outside the layers the use
-    alone, one copy (the gather's result)."""
+    at once in forward, and again in backward), GATHERED_COPIES; outside the layers the uses
+    of one consumer together (a norm's weight and bias), one copy (the gathers' results)."""
     block, phase = mm.block.get(e.dst), e.dst.meta[COST_KEY].phase
-    return ((block, phase), GATHERED_COPIES) if block is not None else ((e, phase), 1)
+    return ((block, phase), GATHERED_COPIES) if block is not None else ((e.dst, phase), 1)
 
 
 def largest_gather(mm: MemoryModel, choice: dict) -> float:

@@ -129,7 +129,7 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     for v in mm.work:
         solver.Add(t >= solver.Sum([var * (w / MB) for var, w in expr(mm.work, v)]))
     #   T >= GATHERED_COPIES sum_{uses e of b, phase} sum_{q,p} gathered[e,q,p] y[e,q,p] / n_e
-    #   (a use outside the layers alone: T >= its gathered copy)
+    #   (outside the layers, per consumer: T >= its uses' gathered copies)
     def grouped(edges, key, nbytes) -> dict:   # key -> [(var, bytes)] over the edges' moves
         out: dict = {}
         for e in edges:

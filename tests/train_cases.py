@@ -208,7 +208,6 @@ def planned_buckets(dm, role: str) -> int:
     the moves it buckets (bucket.to_storage_many, bucket.gather_many) one flat collective per
     group and mesh dim (the setups' tensors fit one bucket), any other move as the plan lists its
     collectives (at the parameter's node)."""
-    from autoshard import costmodel
     from autoshard.passes import bucket
 
     params = [n.name for n in dm.plan.nodes if n.op == "placeholder"][:len(dm._param_names)]
@@ -218,8 +217,7 @@ def planned_buckets(dm, role: str) -> int:
         p = dm.get_parameter(name)
         if role == "grad" and dm._grad_placements[i] is not None:
             pl = tuple(dm._grad_placements[i])
-            local = torch.empty(costmodel.local_shape(p.shape, pl, dm.mesh.shape), device="meta")
-            how = bucket.bucketable(local.shape, pl, p) if listed[params[i]] else None
+            how = bucket.bucketable(pl, p) if listed[params[i]] else None
             key = None if how is None else ("grad", how[:2], len(how[1]) if how[0] == "all_reduce" else 1)
         elif role == "gather" and i in dm._working:
             how = bucket._gather_dims(p, dm._working[i])
