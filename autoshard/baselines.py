@@ -69,22 +69,13 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.cluster import Cluster
 from autoshard.errors import ConstraintError, InfeasibleError, SolverError
+from autoshard.meshes import _divisors, _near_square
 from autoshard.passes.annotate import is_free
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 from autoshard.passes.trace import TracedModel
 from autoshard.plan import Plan
 
 RECOMPUTE = {"": False, "+recompute": "full"}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _near_square(g: int) -> tuple[int, int]:
-    """(x, y) with x * y = g, x >= y, as square as possible."""
-    y = max(d for d in _divisors(g) if d * d <= g)
-    return g // y, y
 
 
 # --- grids -------------------------------------------------------------------------------------

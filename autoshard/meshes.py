@@ -19,10 +19,13 @@ G devices per node (``cluster.ranks_per_node``) and N = W/G nodes:
   (pairs of nodes, e.g. FSDP over a pair, TP inside a node; 64 GPUs as (4, 2, 8)). These are
   *pruned*: their outer dim, named "data", is data parallel only (the batch split, parameters
   replicated or sharded at rest and gathered before use: roles "data", "free", "free" of
-  :mod:`autoshard.baselines`); the two inner dims are free.
+  :mod:`autoshard.baselines`); the two inner dims are free;
+* on one node of G >= 8 (G a multiple of 8), the pruned 3-D grid (2, y, x) with x * y = G/2 near
+  square (x >= y): AxoNN's single-node tensor grid (baselines' ``axonn_4d`` with z = 2), so the
+  free plan's space holds every hand-written grid.
 
 Grids equal up to dims of size 1 are one candidate (the first listed): one node of 8 H100s gives
-(1, 8), (4, 2), (2, 4); 4 nodes of 8 give 5 grids and 3 3-D ones; 16 Perlmutter nodes of 4 give
+(1, 8), (4, 2), (2, 4) and (2, 2, 2); 4 nodes of 8 give 5 grids and 3 3-D ones; 16 Perlmutter nodes of 4 give
 6 and 2. An unpruned 3-D solve costs (placements per dim) ** 3 strategies per op: on a 4-layer
 GPT (hidden 512, 2 nodes of 8 H100s) one took 80-117 s against 7-22 s for each 2-D grid; the
 pruned ones took 26-34 s (1.5-2.5x a 2-D grid; ~5 s of it enumerating strategies) and found a
@@ -37,7 +40,7 @@ won by 0.01%); over 16 Perlmutter nodes the two took 143 s (no plan within the 1
 
 >>> c = Cluster.preset("dgx-h100", nodes=1)
 >>> [shape for shape, _ in candidates(c)]
-[(1, 8), (4, 2), (2, 4)]
+[(1, 8), (4, 2), (2, 4), (2, 2, 2)]
 >>> [shape for shape, _ in candidates(Cluster.preset("dgx-h100", nodes=4))][-3:]
 [(4, 4, 2), (4, 2, 4), (2, 2, 8)]
 """
@@ -59,6 +62,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _near_square(g: int) -> tuple[int, int]:
+    """(x, y) with x * y = g, x >= y, as square as possible."""
+    y = max(d for d in _divisors(g) if d * d <= g)
+    return g // y, y
+
+
 def _names(shape: tuple[int, ...]) -> tuple[str, ...]:
     return {1: ("world",), 2: ("outer", "inner")}.get(len(shape), tuple(f"l{i}" for i in range(len(shape))))
 
@@ -78,6 +87,9 @@ def candidates(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[str, ...]]
             out.append(((nodes, per_node // t, t), DATA_NAMES))
         if nodes >= 4 and nodes % 2 == 0:
             out.append(((nodes // 2, 2, per_node), DATA_NAMES))
+    if nodes == 1 and per_node % 8 == 0 and world == per_node:
+        x, y = _near_square(per_node // 2)
+        out.append(((2, y, x), DATA_NAMES))
     seen, unique = set(), []
     for shape, names in out:
         squeezed = tuple(p for p in shape if p > 1)  # a dim of one device splits nothing

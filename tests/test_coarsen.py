@@ -1,7 +1,7 @@
 """Coarsening: repeated layers found from structure alone, followers aligned with their input,
 and both costing (almost) nothing.
 
-Sharing one set of decisions across identical blocks, or a view's / elementwise op's with its
+Sharing one set of decisions across identical blocks, or an elementwise op's with its
 input, is a restriction of the exact problem, so its optimum can only be equal or worse; on
 graphs small enough to solve exactly it must stay within 1% (DESIGN: repeated layers share
 decisions, with memory still accounted per layer).

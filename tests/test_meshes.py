@@ -29,6 +29,9 @@ def _expected(nodes: int, gpus: int) -> list[tuple[int, ...]]:
         grids += [(nodes, gpus // 2, 2), (nodes, 2, gpus // 2)]
         if nodes >= 4 and nodes % 2 == 0:
             grids.append((nodes // 2, 2, gpus))
+    if nodes == 1 and gpus % 8 == 0:   # AxoNN's single-node grid: z = 2, y * x = gpus / 2, x >= y
+        y = max(d for d in range(1, gpus) if (gpus // 2) % d == 0 and d * d <= gpus // 2)
+        grids.append((2, y, gpus // 2 // y))
     seen, out = set(), []
     for s in grids:
         key = tuple(p for p in s if p > 1)
@@ -38,7 +41,7 @@ def _expected(nodes: int, gpus: int) -> list[tuple[int, ...]]:
     return out
 
 
-@pytest.mark.parametrize("nodes,gpus", [(1, 8), (4, 8), (8, 8), (16, 4), (2, 2), (2, 4)])
+@pytest.mark.parametrize("nodes,gpus", [(1, 8), (1, 16), (4, 8), (8, 8), (16, 4), (2, 2), (2, 4)])
 def test_candidates_rule(nodes, gpus):
     got = candidates(_cluster(nodes, gpus))
     assert [shape for shape, _ in got] == _expected(nodes, gpus)
@@ -49,6 +52,17 @@ def test_candidates_rule(nodes, gpus):
 
 def test_axonn_style_grid_is_a_candidate_on_eight_nodes():
     assert (4, 2, 8) in [shape for shape, _ in candidates(_cluster(8, 8))]
+
+
+def test_every_axonn_baseline_grid_is_a_candidate_on_one_node():
+    # the free plan's space holds each hand-written grid: AxoNN's (1, z, y, x) is (z, y, x)
+    from autoshard.baselines import BASELINES
+
+    for gpus in (8, 16):
+        got = [shape for shape, _ in candidates(_cluster(1, gpus))]
+        for grid in BASELINES["axonn_4d"].grids(_cluster(1, gpus)):
+            squeezed = tuple(p for p in grid if p > 1)
+            assert any(tuple(p for p in s if p > 1) == squeezed for s in got), (grid, got)
 
 
 def test_logical_dims_priced_by_links_they_span():
