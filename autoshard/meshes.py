@@ -25,8 +25,8 @@ G devices per node (``cluster.ranks_per_node``) and N = W/G nodes:
   free plan's space holds every hand-written grid.
 
 Grids equal up to dims of size 1 are one candidate (the first listed): one node of 8 H100s gives
-(1, 8), (4, 2), (2, 4) and (2, 2, 2); 4 nodes of 8 give 5 grids and 3 3-D ones; 16 Perlmutter nodes of 4 give
-6 and 2. An unpruned 3-D solve costs (placements per dim) ** 3 strategies per op: on a 4-layer
+(1, 8), (4, 2), (2, 4) and (2, 2, 2); 4 nodes of 8 give 5 grids and 3 3-D ones; 16 Perlmutter
+nodes of 4 give 6 and 2. An unpruned 3-D solve costs (placements per dim) ** 3 strategies per op: on a 4-layer
 GPT (hidden 512, 2 nodes of 8 H100s) one took 80-117 s against 7-22 s for each 2-D grid; the
 pruned ones took 26-34 s (1.5-2.5x a 2-D grid; ~5 s of it enumerating strategies) and found a
 plan 16% faster than the best 2-D grid (the unpruned solves returned one 2% slower still,
