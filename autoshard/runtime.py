@@ -225,13 +225,7 @@ class DistributedModule(nn.Module):
             if g is None:
                 continue
             if i in reduced:   # backward reduced it (passes/bucket.py): this rank's stored piece
-                p = self.get_parameter(name)
-                if p.grad is not None and tuple(p.grad.placements) == tuple(p.placements):
-                    p.grad.to_local().add_(g)
-                else:
-                    moved = DTensor.from_local(g, self.mesh, p.placements, run_check=False, shape=p.shape,
-                                               stride=p.stride())
-                    p.grad = moved if p.grad is None else p.grad + moved
+                self._add_grad(self.get_parameter(name), g)
                 grads[i] = None
                 continue
             if name in unreduced:  # the buffer is a past backward's output, no one else's
@@ -254,14 +248,19 @@ class DistributedModule(nn.Module):
             moves.append((i, pl, p))
         g = None   # (the last one is in moves: to_storage_many drops it)
         for (_, _, p), moved in zip(moves, to_storage_many(grads, moves, self._reduce_dtype)):
-            if p.grad is not None and tuple(p.grad.placements) == tuple(moved.placements):
-                # into the existing gradient in place, on the local shards, as AccumulateGrad does:
-                # a DTensor add allocates a new gradient and propagates shardings, per parameter
-                p.grad.to_local().add_(moved.to_local())
-            else:
-                p.grad = moved if p.grad is None else p.grad + moved
+            self._add_grad(p, moved.to_local())
         if sync:
             self._backwards = 0
+
+    def _add_grad(self, p: nn.Parameter, local: torch.Tensor) -> None:
+        """This rank's piece of a gradient in ``p``'s storage placement into ``p.grad``: into the
+        existing gradient in place, on the local shards, as AccumulateGrad does (a DTensor add
+        allocates a new gradient and propagates shardings, per parameter), else as a DTensor."""
+        if p.grad is not None and tuple(p.grad.placements) == tuple(p.placements):
+            p.grad.to_local().add_(local)
+            return
+        moved = DTensor.from_local(local, self.mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        p.grad = moved if p.grad is None else p.grad + moved
 
     def _take_plain_grad(self, p: nn.Parameter, g: torch.Tensor) -> None:
         """One device: the plan replicates everything (a mesh dim of one offers no other

@@ -213,15 +213,15 @@ def to_storage_many(grads: list, moves: list[tuple[int, tuple, DTensor]],
     a flat buffer (up to GRAD_BUCKET_BYTES). Each gradient is dropped from ``grads`` once copied
     into its bucket."""
     out: list = [None] * len(moves)
-    listed = []
-    for j, (i, placements, param) in enumerate(moves):
-        if bucketable(placements, param) is None:
+    buckets = gradient_buckets([(j, placements, param, None, grads[i].dtype)
+                                for j, (i, placements, param) in enumerate(moves)], reduce_dtype)
+    bucketed = {j for b in buckets for j in b.indices}
+    for j, (i, placements, param) in enumerate(moves):   # the others, one by one through DTensor
+        if j not in bucketed:
             out[j] = to_storage(grads[i], placements, param, reduce_dtype)
             grads[i] = None
-        else:
-            listed.append((j, placements, param, None, grads[i].dtype))
     by_index = {j: (i, param) for j, (i, _, param) in enumerate(moves)}
-    for b in gradient_buckets(listed, reduce_dtype):
+    for b in buckets:
         members = [grads[by_index[j][0]] for j in b.indices]
         for j in b.indices:
             grads[by_index[j][0]] = None
@@ -237,7 +237,7 @@ def to_storage_many(grads: list, moves: list[tuple[int, tuple, DTensor]],
 # --- gathers ----------------------------------------------------------------------------------
 def _gather_dims(dt: DTensor, placements) -> tuple[int, int] | None:
     """(mesh dim, tensor dim k) of a Shard(k) -> Replicate gather on one mesh dim of a tensor
-    split evenly there and along k by no other mesh dim, or None."""
+    split evenly (costmodel.splits_evenly) and along k by no other mesh dim, or None."""
     mesh, have, want = dt.device_mesh, tuple(dt.placements), tuple(placements)
     moved = [d for d, (a, b) in enumerate(zip(have, want)) if a != b]
     if len(moved) != 1:
@@ -245,7 +245,7 @@ def _gather_dims(dt: DTensor, placements) -> tuple[int, int] | None:
     (d,) = moved
     k = getattr(have[d], "dim", None)
     if type(have[d]) is Shard and isinstance(want[d], Replicate) and have[d] not in have[:d] + have[d + 1:] \
-            and 0 <= k < dt.ndim and dt.to_local().shape[k] * mesh.size(d) == dt.shape[k]:
+            and costmodel.splits_evenly(dt.shape, have, mesh.shape):
         return d, k
     return None
 
