@@ -201,11 +201,13 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
         if e.kind != "gather":  # graph edges; a storage -> working gather shows at its parameter
             edges.append((e.src.name, where))
         calls = 1 if e.kind in ("grad", "gather") else problem.micro_batches  # per optimizer step
-        for c in costmodel.resharding(cluster, src, dst, e.moved_bytes(src, dst), e.overlap):
+        bucketed, hides = e.in_bucket(src, dst, cluster.mesh_shape), \
+            e.hides(src, dst, cluster.mesh_shape, problem.micro_batches)
+        for c in costmodel.resharding(cluster, src, dst, e.moved_bytes(src, dst), bucketed):
             entry = {"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time * calls,
                      "src": e.src.name, "exposed": c.time * calls, "calls": calls, "role": e.kind}
             comm.setdefault(where, []).append(entry)
-            if e.overlap and problem.overlap > 0:
+            if hides and problem.overlap > 0:
                 hideable.setdefault(e.block, []).append(entry)
     # the exposed part of each block's parameter and gradient moves (formulation.py: Overlap),
     # spread over its collectives in proportion to their time

@@ -163,4 +163,14 @@ def splits_evenly(shape, placements, mesh_shape) -> bool:
     return all(shape[k] % n == 0 for k, n in split.items())
 
 
+def grad_bucket_move(shape, src, dst, mesh_shape):
+    """:func:`bucket_move` of a gradient of ``shape``, or None when its pieces, before or after,
+    differ in shape across ranks: a flat bucket's layout must be the same on every rank, so the
+    runtime moves such a gradient on its own (passes/bucket.py: bucketable)."""
+    how = bucket_move(src, dst)
+    if how is None or not (splits_evenly(shape, src, mesh_shape) and splits_evenly(shape, dst, mesh_shape)):
+        return None
+    return how
+
+
 tensor_nbytes = tensor_bytes  # bytes of a tensor (or of the tensors in a tuple); 0 for anything else

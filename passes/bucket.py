@@ -52,12 +52,7 @@ def bucketable(placements: tuple, param: DTensor):
     parameter's (costmodel.bucket_move: ("all_reduce", mesh dims) or ("reduce_scatter", mesh dim,
     k)); None for any other move, or when a rank's piece, before or after, differs in shape from
     another's: a bucket's layout must be the same on all ranks."""
-    how = costmodel.bucket_move(tuple(placements), tuple(param.placements))
-    mesh = param.device_mesh.shape
-    if how is None or not (costmodel.splits_evenly(param.shape, placements, mesh)
-                           and costmodel.splits_evenly(param.shape, param.placements, mesh)):
-        return None
-    return how
+    return costmodel.grad_bucket_move(param.shape, tuple(placements), tuple(param.placements), param.device_mesh.shape)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ nodes outside repeated layers form one more block), with a = the cluster's ``com
     E_b >= sum_{overlappable e in b} R_e  -  a * sum_{v in b} sum_s c[v,s] x[v,s],   E_b >= 0
 
 and the objective charges E_b instead of those edges. A gather belongs to its consumer's block,
-a gradient reduction to its producer's. With a = 0 everything is exposed (the CPU runtime issues
+a gradient reduction to its producer's. Only a bucketed gradient reduction made by backward itself
+hides (:meth:`Edge.hides`); any other runs after backward, exposed, on its own (with its latency). With a = 0 everything is exposed (the CPU runtime issues
 collectives in graph order and waits on each).
 """
 
@@ -78,6 +79,22 @@ class Edge:
         if self.reduce_nbytes is not None and any(isinstance(q, Partial) and q != p for q, p in zip(src, dst)):
             return self.reduce_nbytes
         return self.nbytes
+
+    def in_bucket(self, src, dst, mesh_shape) -> bool:
+        """Whether the runtime makes the move ``src`` -> ``dst`` in one flat collective with others
+        (priced without its latency: costmodel.resharding's ``bucketed``): a parameter's gather,
+        a gradient's reduction when its pieces allow (costmodel.grad_bucket_move)."""
+        if self.kind == "grad":
+            return costmodel.grad_bucket_move(self.dst.param.meta["val"].shape, src, dst, mesh_shape) is not None
+        return self.overlap
+
+    def hides(self, src, dst, mesh_shape, micro_batches: int) -> bool:
+        """Whether the move may hide behind its block's compute (Overlap, above). A gradient's only
+        when backward itself reduces it: one micro-batch (with accumulation the last backward
+        leaves them unreduced) and a bucketed move; any other gradient moves after backward."""
+        if self.kind == "grad":
+            return micro_batches == 1 and self.in_bucket(src, dst, mesh_shape)
+        return self.overlap
 
 
 def slices_to(src, dst) -> bool:

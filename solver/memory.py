@@ -367,7 +367,8 @@ def recompute_resharding(problem, cluster, choice: dict, recompute: set) -> floa
             continue
         src = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
         dst = e.dst_in[choice[e.dst]]
-        total += e.weight * costmodel.resharding_time(cluster, src, dst, e.moved_bytes(src, dst), e.overlap)
+        total += e.weight * costmodel.resharding_time(cluster, src, dst, e.moved_bytes(src, dst),
+                                                      e.in_bucket(src, dst, cluster.mesh_shape))
     return total
 
 
@@ -395,10 +396,7 @@ def in_backward(mm: MemoryModel, e, q, p) -> bool:
     """Whether backward itself reduces gradient edge ``e`` moving from q to its storage placement
     p (the module docstring's "Gradients"): a bucketable move whose pieces are alike on every rank
     (passes/bucket.py: bucketable); an uneven one is handed over and moved after backward."""
-    if not (mm.reduce_in_backward and costmodel.bucket_move(q, p) is not None):
-        return False
-    shape = e.dst.param.meta["val"].shape
-    return costmodel.splits_evenly(shape, q, mm.mesh_shape) and costmodel.splits_evenly(shape, p, mm.mesh_shape)
+    return mm.reduce_in_backward and e.in_bucket(q, p, mm.mesh_shape)
 
 
 def in_flight(mm: MemoryModel, e, q, p) -> float:

@@ -197,7 +197,7 @@ class Solution:
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
 
 
-def _edge_cost(problem: Problem, e, x, reshard) -> tuple[list, list]:
+def _edge_cost(problem: Problem, e, x, reshard, mesh_shape) -> tuple[list, list]:
     """Objective terms of one edge as [(x var, seconds, (source, destination placement))], or the
     flow form's (source placements, destination placements, costs) to build."""
     src = {}
@@ -209,7 +209,7 @@ def _edge_cost(problem: Problem, e, x, reshard) -> tuple[list, list]:
         dst = {}
         for s in problem.allowed[e.dst]:
             dst.setdefault(e.dst_in[s], []).append(s)
-    r = {(q, p): e.weight * reshard(q, p, e.moved_bytes(q, p), e.overlap) for q in src for p in dst}
+    r = {(q, p): e.weight * reshard(q, p, e.moved_bytes(q, p), e.in_bucket(q, p, mesh_shape)) for q in src for p in dst}
     if e.dst is e.src:  # a block's output feeding the same class in the next block: one choice
         pairs = [(s, (problem.src_placement(e, s), e.dst_in[s])) for s in problem.allowed[e.src]]
         return [(x[e.src, s], r[qp], qp) for s, qp in pairs], []
@@ -280,8 +280,8 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     # A parameter's or gradient's move goes to its block's comm instead (formulation.py: Overlap).
     hideable: dict[object, list] = {}
 
-    def charge(e, var, c):
-        if e.overlap and problem.overlap > 0:
+    def charge(e, var, c, q, p):
+        if problem.overlap > 0 and e.hides(q, p, cluster.mesh_shape, problem.micro_batches):
             hideable.setdefault(e.block, []).append((var, c))
         else:
             objective.SetCoefficient(var, objective.GetCoefficient(var) + c)
@@ -291,7 +291,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     for e in problem.edges:
         if e.aligned:
             continue
-        terms, flows = _edge_cost(problem, e, x, reshard)
+        terms, flows = _edge_cost(problem, e, x, reshard, cluster.mesh_shape)
         for src, dst, r in flows:
             y = {(q, p): solver.NumVar(0, 1, "") for q in src for p in dst}
             terms += [(var, r[qp], qp) for qp, var in y.items()]
@@ -300,7 +300,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
             for p, ss in dst.items():
                 solver.Add(solver.Sum([y[q, p] for q in src]) == solver.Sum([x[e.dst, s] for s in ss]))
         for var, c, (q, p) in terms:
-            charge(e, var, c * US)
+            charge(e, var, c * US, q, p)
             reshard_terms.setdefault(e, []).append((var, c * US, (q, p)))
             if e.kind == "gather" and q != p:  # the working copy, kept for the step
                 held.append((var, e.weight * costmodel.local_bytes(e.kept, p, cluster.mesh_shape)))

@@ -38,6 +38,17 @@ def _problem(traced, cluster):
     return formulate(traced, cluster)
 
 
+def _bucketed(e, q, p, cluster) -> bool:
+    """Whether the runtime buckets the move (priced without its latency): every parameter gather;
+    a gradient's reduction when it only sums partials (into Replicate, or into one Shard) and
+    every rank's piece has one shape (a flat bucket's layout is the same on all ranks)."""
+    if e.kind != "grad":
+        return e.overlap
+    shape = e.dst.param.meta["val"].shape
+    return costmodel.bucket_move(q, p) is not None and all(
+        costmodel.splits_evenly(shape, pl, cluster.mesh_shape) for pl in (q, p))
+
+
 def _edge_table(problem, e, cluster):
     """Resharding time of edge e for every (src strategy, dst strategy) pair, by costmodel.resharding_time
     (a parameter's or gradient's move, bucketed by the runtime, without its latency)."""
@@ -48,7 +59,7 @@ def _edge_table(problem, e, cluster):
         q = src_strats[s].outputs[e.src_out]
         for t in dst_opts:
             p = e.fixed if e.dst is None else e.dst_in[t]
-            table[s, t] = costmodel.resharding_time(cluster, q, p, e.nbytes, e.overlap)
+            table[s, t] = costmodel.resharding_time(cluster, q, p, e.nbytes, _bucketed(e, q, p, cluster))
     return table
 
 
@@ -62,13 +73,15 @@ def _objective(problem, cluster, choice, tables=None):
     moves: dict = {}
     for i, e in enumerate(problem.edges):
         t = None if e.dst is None else choice[e.dst]
+        q = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
+        p = e.fixed if e.dst is None else e.dst_in[t]
         if tables is not None:
             r = tables[i][choice[e.src], t]
         else:
-            q = e.src.meta[META_KEY].strategies[choice[e.src]].outputs[e.src_out]
-            p = e.fixed if e.dst is None else e.dst_in[t]
-            r = costmodel.resharding_time(cluster, q, p, e.nbytes, e.overlap)
-        hideable = e.kind in ("grad", "gather") or (not e.aligned and (e.src in params or e.src in views))
+            r = costmodel.resharding_time(cluster, q, p, e.nbytes, _bucketed(e, q, p, cluster))
+        # a gradient hides only when backward reduces it in a bucket; any other moves after backward
+        hideable = (e.kind == "grad" and _bucketed(e, q, p, cluster)) or e.kind == "gather" or \
+            (not e.aligned and (e.src in params or e.src in views))
         if hideable and a > 0:
             b = (e.src if e.kind == "grad" else e.dst).meta.get("autoshard.layer", (None, None))[1]
             moves[b] = moves.get(b, 0.0) + r
