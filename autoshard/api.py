@@ -78,7 +78,7 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
          memory_limit: float | None = None, recompute: bool | str = True, share_layers: bool = True,
          strict: bool = False, time_limit: float = 120.0, progress: bool | None = None,
          allow=None, mixed_precision: MixedPrecision | None = None, grad_accumulation: int = 1,
-         meshes=None, followers: bool = True) -> Plan:
+         meshes=None, followers: bool = True, cutoff: float | None = None) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
@@ -86,7 +86,11 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     (other grids over the same devices, priced by the links each dim spans) and keeps the fastest;
     (3-D ones pruned to data parallelism on their outer dim); ``"auto-2d"`` skips the 3-D ones; a
     list of shapes tries those; ``plan.mesh_shape`` records the one chosen. Default: the cluster's
-    own mesh only.
+    own mesh only. Each mesh after the first feasible one is solved with the best step so far as
+    its ``cutoff``, so one that cannot beat it stops early (``plan.stats["mesh_errors"]``: "slower").
+
+    ``cutoff`` (seconds): only a plan predicted faster will do; raises
+    :class:`~autoshard.errors.CutoffError` as soon as the solver proves there is none.
 
     ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
     predicted peak; ``recompute=False`` forbids recomputing activations, ``recompute="full"``
@@ -108,14 +112,14 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
                                  recompute=recompute, share_layers=share_layers, strict=strict,
                                  time_limit=time_limit, progress=progress, allow=allow,
                                  mixed_precision=mixed_precision, grad_accumulation=grad_accumulation,
-                                 followers=followers)
+                                 followers=followers, cutoff=cutoff)
     t0 = time.perf_counter()
     progress = Progress(progress)
     traced, fallbacks = _prepare(model, cluster, example_inputs, strict, mixed_precision, progress)
     t1 = time.perf_counter()
     problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
                                       share_layers, allow, **_accumulation(grad_accumulation),
-                                      followers=followers, progress=progress)
+                                      followers=followers, progress=progress, cutoff=cutoff)
     t2 = time.perf_counter()
     result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
     result.stats = {"trace_s": traced.trace_time if model is not traced else 0.0,
@@ -127,7 +131,8 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
 
 
 def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True, allow=None,
-           grad_accumulation: int = 1, followers: bool = True, progress: Progress | None = None):
+           grad_accumulation: int = 1, followers: bool = True, progress: Progress | None = None,
+           cutoff: float | None = None):
     if recompute not in (True, False, "full"):
         raise ConstraintError(f"recompute must be True, False or 'full', not {recompute!r}")
     progress = progress or Progress(False)
@@ -149,7 +154,7 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
 
     def run(limit_, minimize="time"):
         small_mm.limit = limit_
-        sol = solve(small, cluster, small_mm, time_limit=time_limit, minimize=minimize)
+        sol = solve(small, cluster, small_mm, time_limit=time_limit, minimize=minimize, cutoff=cutoff)
         sol.choice, sol.recompute = expand(sol.choice, sol.recompute)
         sol.memory = predicted_memory(mm, sol.choice, sol.recompute)
         sol.shared_nodes = shared_nodes

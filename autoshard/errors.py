@@ -42,6 +42,12 @@ class SolverError(AutoshardError):
     solution, backend unavailable)."""
 
 
+class CutoffError(AutoshardError):
+    """No plan has a predicted step time under the ``cutoff`` given to ``autoshard.plan`` (or none
+    fits at all: the solver stops at the first proof of either). Planning several logical meshes
+    uses it to drop a mesh as soon as it cannot beat the best one found."""
+
+
 class PlanError(AutoshardError, ValueError):
     """A plan file is corrupt or of an unknown schema version."""
 

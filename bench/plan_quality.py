@@ -92,7 +92,8 @@ def _row(plan) -> dict:
             "mesh": list(plan.mesh_shape), "status": plan.solver["status"],
             # per logical mesh tried: step ms (None: no plan) and seconds to plan
             "meshes": {k: v and v * 1e3 for k, v in plan.stats.get("meshes", {}).items()},
-            # why a mesh above has no plan: "time_limit" (not priced), "infeasible", "constraint"
+            # why a mesh above has no plan: "time_limit" (not priced), "slower" (proven no faster
+            # than the mesh kept: not priced), "infeasible", "constraint"
             "mesh_errors": plan.stats.get("mesh_errors", {}),
             "mesh_seconds": plan.stats.get("mesh_seconds", {})}
 

@@ -28,7 +28,7 @@ from ortools.math_opt.python.init_arguments import StreamableSolverInitArguments
 from ortools.math_opt.python.model_parameters import ModelSolveParameters
 
 from autoshard import costmodel
-from autoshard.errors import InfeasibleError, SolverError
+from autoshard.errors import CutoffError, InfeasibleError, SolverError
 from autoshard.solver.formulation import Problem, slices_to
 from autoshard.solver.memory import MemoryModel, predicted_memory
 
@@ -223,8 +223,11 @@ def _edge_cost(problem: Problem, e, x, reshard, mesh_shape) -> tuple[list, list]
 
 
 def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_limit: float = 60.0,
-          backend: str = "HIGHS", minimize: str = "time", mip_gap: float | None = None) -> Solution:
+          backend: str = "HIGHS", minimize: str = "time", mip_gap: float | None = None,
+          cutoff: float | None = None) -> Solution:
     """``minimize="memory"`` finds the smallest feasible peak instead (for infeasibility reports).
+    ``cutoff`` (seconds): raise CutoffError as soon as no plan can cost less (HiGHS prunes by it
+    from the root on, so a problem that cannot win stops after a few bounds).
     The solve stops once the plan is proven within ``mip_gap`` (relative) of the optimum: by default
     0.1% of step time, far inside the cost model's own error (bench/fidelity.py), where proving the
     last 0.09% took a quarter of the solve on a 32-layer Llama; 0.01% of the peak for "memory", whose
@@ -324,9 +327,17 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         for var, coef in mem.terms:
             objective.SetCoefficient(var, objective.GetCoefficient(var) + coef / MB)
     objective.SetMinimization()
-    run = _run_highs if backend == "HIGHS" else _run_pywraplp
-    status, value, found, bound = run(solver, time_limit, mip_gap, log)
+    limit = None if cutoff is None or minimize != "time" else cutoff * US
+    if limit is not None and backend != "HIGHS":   # the others take it as a row: objective <= cutoff
+        row = solver.RowConstraint(-solver.infinity(), limit, "")
+        for var in solver.variables():
+            row.SetCoefficient(var, objective.GetCoefficient(var))
+    status, value, found, bound = _run_highs(solver, time_limit, mip_gap, log, limit) if backend == "HIGHS" \
+        else _run_pywraplp(solver, time_limit, mip_gap, log)
     elapsed = time.perf_counter() - start
+    # HiGHS prunes its search by the bound but keeps a plan it finds at the root or in presolve
+    if limit is not None and (status == "infeasible" or (found is not None and found >= limit)):
+        raise CutoffError(f"no plan predicts a step under {cutoff:.6g} s (or none fits)")
     if status == "infeasible":
         raise InfeasibleError("no plan satisfies the constraints and the memory limit")
     if status not in ("optimal", "feasible"):
@@ -360,15 +371,19 @@ def _run_pywraplp(solver, time_limit: float, mip_gap: float, log: bool):
 OBJECTIVE_SCALE = 1e-3   # HiGHS sees the objective in these units (milliseconds for step time)
 
 
-def _run_highs(solver, time_limit: float, mip_gap: float, log: bool):
+def _run_highs(solver, time_limit: float, mip_gap: float, log: bool, cutoff: float | None = None):
     """:func:`_run_pywraplp` with HiGHS under MathOpt: at the time limit, the best plan found so
     far is returned ("feasible", with HiGHS's bound) instead of none. The model goes in scaled
-    (:func:`_mathopt_model`); objective and bound come back in the model's own units."""
+    (:func:`_mathopt_model`); objective and bound come back in the model's own units. ``cutoff``
+    (model units): "infeasible" once no solution can be below it (HiGHS's ``objective_bound``;
+    MathOpt's own cutoff_limit is not supported for HiGHS)."""
     mp = linear_solver_pb2.MPModelProto()
     solver.ExportModelToProto(mp)
     params = mathopt.SolveParameters(time_limit=timedelta(seconds=time_limit), relative_gap_tolerance=mip_gap,
                                      random_seed=0, enable_output=log)
     params.highs.int_options["threads"] = 1   # MathOpt leaves HiGHS's thread count to HiGHS's options
+    if cutoff is not None:
+        params.highs.double_options["objective_bound"] = cutoff * OBJECTIVE_SCALE
     # the proto-level solve: MathOpt's Python Model would rebuild the model that pywraplp built
     result = mathopt_core.solve(_mathopt_model(mp, OBJECTIVE_SCALE), mathopt.SolverType.HIGHS.value,
                                 StreamableSolverInitArguments().to_proto(), params.to_proto(),

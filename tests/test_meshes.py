@@ -114,19 +114,41 @@ def test_auto_plans_every_candidate_and_keeps_the_fastest(mlp, pruned):
     shapes = [str(s) for s, _ in candidates(cluster)]
     assert list(free.stats["meshes"]) == shapes and "(2, 2, 2)" in shapes
     assert free.step_time == pytest.approx(min(t for t in free.stats["meshes"].values() if t is not None))
-    # each entry is that grid's own plan: the physical mesh (free) and the 3-D one (pruned)
-    alone = autoshard.plan(traced, cluster, time_limit=60)
-    assert free.stats["meshes"]["(2, 4)"] == pytest.approx(alone.step_time)
-    assert free.stats["meshes"]["(2, 2, 2)"] == pytest.approx(pruned.step_time)
-    # a mesh without a plan says why; every one here was priced
+    # each grid planned on its own, in full: the kept plan is the fastest of them (within the
+    # solve's 0.1% gap); a grid the cutoff dropped ("slower") is no faster than the kept plan
+    alone = {str(s): autoshard.plan(traced, cluster.with_mesh(s, n), time_limit=60,
+                                    allow=allow_data_outer(traced, None) if n == DATA_NAMES else None)
+             for s, n in candidates(cluster)}
+    assert alone["(2, 2, 2)"].step_time == pytest.approx(pruned.step_time)
+    assert free.step_time <= min(p.step_time for p in alone.values()) * (1 + 1e-3)
+    for shape, t in free.stats["meshes"].items():
+        if t is None:
+            assert free.stats["mesh_errors"][shape] == "slower"
+            assert alone[shape].step_time >= free.step_time * (1 - 1e-3)
+        else:
+            assert t == pytest.approx(alone[shape].step_time, rel=1e-3)
     assert set(free.stats["mesh_errors"]) == {k for k, v in free.stats["meshes"].items() if v is None}
 
 
+def test_cutoff_stops_a_plan_that_cannot_beat_it(mlp):
+    _, traced = mlp
+    cluster = _cluster(2, 4)
+    best = autoshard.plan(traced, cluster, time_limit=60)
+    # proven infeasible under a cutoff 1% below the optimum; the same plan above it
+    with pytest.raises(autoshard.errors.CutoffError, match="no plan predicts a step under"):
+        autoshard.plan(traced, cluster, time_limit=60, cutoff=best.solver["objective"] * 0.99)
+    again = autoshard.plan(traced, cluster, time_limit=60, cutoff=best.solver["objective"] * 1.01)
+    assert again.step_time == pytest.approx(best.step_time, rel=1e-3)
+    with pytest.raises(autoshard.errors.CutoffError):   # no mesh of "auto" beats it either
+        autoshard.plan(traced, cluster, meshes="auto-2d", time_limit=60, cutoff=best.step_time * 0.5)
+
+
 def test_failure_names_why_a_mesh_has_no_plan():
-    from autoshard.errors import ConstraintError, InfeasibleError, SolverError
+    from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
     from autoshard.meshes import failure
 
     assert failure(SolverError("HIGHS found no plan within 120s")) == "time_limit"
+    assert failure(CutoffError("no plan predicts a step under 1 s")) == "slower"
     assert failure(InfeasibleError("no plan fits", min_memory=1.0)) == "infeasible"
     assert failure(ConstraintError("batch 3 over 2")) == "constraint"
 
