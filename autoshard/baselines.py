@@ -60,6 +60,7 @@ plans runs with ``autoshard.compile(model, cluster, inputs, plan=plans[name])``.
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ from typing import Callable
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.cluster import Cluster
-from autoshard.errors import ConstraintError, InfeasibleError, SolverError
+from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
 from autoshard.meshes import _divisors, _near_square
 from autoshard.passes.annotate import is_free
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
@@ -236,7 +237,8 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
     over its grids; ``kwargs`` go to :func:`autoshard.plan`. Raises InfeasibleError when no grid
     fits (or the baseline cannot be expressed on this cluster or batch). ``plan.stats["meshes"]``
     gives each grid's step time (None: no plan) and ``plan.stats["mesh_errors"]`` why
-    (:func:`autoshard.meshes.failure`; "time_limit": that grid was not priced).
+    (:func:`autoshard.meshes.failure`; "time_limit": that grid was not priced; "slower": solved
+    with the best grid's objective as cutoff, and proven no faster).
 
     ``_solved`` (:func:`compare`'s, for calls with the same model, cluster and ``kwargs``) holds
     the outcome of each (grid, dim names, roles, recompute) solved so far: two baselines that
@@ -253,20 +255,31 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
         recompute = "full"
     traced = model if isinstance(model, TracedModel) else trace(model, example_inputs)
     best, errors, tried, why = None, [], {}, {}
+    limit = kwargs.pop("cutoff", None)
     grids = logical_meshes(base, cluster)
+    common = collections.Counter(g for b in BASELINES for g in logical_meshes(b, cluster))
     solved = {} if _solved is None else _solved
     for shape, names, roles in grids:
         key = ",".join(f"{n}={p}" for n, p in zip(names, shape))  # one shape can carry two role sets
         problem = (shape, names, roles, recompute)
-        if problem not in solved:
+        p = solved.get(problem)
+        if p is None:
+            # a grid that cannot beat this baseline's best so far stops early, unless another
+            # baseline has the grid too (it is solved once, in full, for both); the early stop
+            # is this baseline's outcome alone, so it is not kept
+            cutoff = limit if best is None or common[shape, names, roles] > 1 else \
+                min(best.solver["objective"], limit or math.inf)
             try:
-                solved[problem] = plan(traced, cluster.with_mesh(shape, names), allow=allow_for(traced, roles),
-                                       recompute=recompute, **kwargs)
+                p = solved[problem] = plan(traced, cluster.with_mesh(shape, names), allow=allow_for(traced, roles),
+                                           recompute=recompute, cutoff=cutoff, **kwargs)
             except (ConstraintError, InfeasibleError, SolverError) as exc:
-                solved[problem] = exc
-        p = solved[problem]
+                p = solved[problem] = exc
+            except CutoffError as exc:
+                p = exc
         if isinstance(p, Exception):
             tried[key], why[key] = None, failure(p)
+            if isinstance(p, CutoffError):  # proven no faster than the best grid so far
+                continue
             if isinstance(p, ConstraintError):  # the hand strategy cannot be written on this grid or batch
                 errors.append(InfeasibleError(f"{name} on mesh {shape}: {p}"))
             elif isinstance(p, InfeasibleError):

@@ -9,7 +9,7 @@ import torch
 
 import autoshard
 from autoshard import Cluster, Plan
-from autoshard.baselines import BASELINES, compare, logical_meshes, plan_baseline
+from autoshard.baselines import BASELINES, allow_for, compare, logical_meshes, plan_baseline
 from autoshard.cluster import H100, IB_NDR, NVLINK4
 from autoshard.errors import InfeasibleError
 from autoshard.meshes import candidates
@@ -62,7 +62,10 @@ def test_auto_mesh_is_best_of_candidates(small):
     free = plans["auto"]
     each = {str(s): autoshard.plan(traced, cluster.with_mesh(s, names), time_limit=60).step_time
             for s, names in candidates(cluster)}
-    assert free.stats["meshes"] == pytest.approx(each)
+    assert list(free.stats["meshes"]) == list(each)
+    for shape, t in free.stats["meshes"].items():   # priced, or cut off as no faster than the kept plan
+        assert t == pytest.approx(each[shape]) if t is not None else \
+            free.stats["mesh_errors"][shape] == "slower" and each[shape] >= free.step_time * (1 - 1e-3)
     assert free.step_time == pytest.approx(min(each.values()))
     assert str(tuple(free.mesh_shape)) in each
 
@@ -144,6 +147,29 @@ def test_grid_two_baselines_share_is_solved_once(monkeypatch):
     for b, p in alone.items():
         assert plans[b].step_time == p.step_time and plans[b].stats["meshes"] == p.stats["meshes"]
         assert plans[b].stats["baseline"] == b and plans[b].stats["mesh_errors"] == {}
+
+
+def test_baseline_keeps_its_fastest_grid_and_cuts_off_slower_ones():
+    """A baseline's later grids are solved with its best grid so far as cutoff: the kept plan is
+    the fastest of the grids solved one by one in full, and a grid cut off is no faster."""
+    torch.manual_seed(0)
+    traced = autoshard.trace(MLP(), (torch.randn(64, 32), torch.randn(64, 16)))
+    cluster = _cluster(2, 4)
+    cut = 0
+    for b in ("hsdp", "tp_fsdp", "axonn_4d"):
+        best = plan_baseline(traced, cluster, b, time_limit=60)
+        full = {",".join(f"{n}={p}" for n, p in zip(names, shape)):
+                autoshard.plan(traced, cluster.with_mesh(shape, names), allow=allow_for(traced, roles), time_limit=60)
+                for shape, names, roles in logical_meshes(b, cluster)}
+        assert best.step_time == pytest.approx(min(p.step_time for p in full.values()), rel=1e-3), b
+        for key, t in best.stats["meshes"].items():
+            if t is None:
+                assert best.stats["mesh_errors"][key] == "slower", (b, key)
+                assert full[key].step_time >= best.step_time * (1 - 1e-3), (b, key)
+                cut += 1
+            else:
+                assert t == pytest.approx(full[key].step_time, rel=1e-3), (b, key)
+    assert cut, "no grid was cut off: the check above tested nothing"
 
 
 def test_infeasible_baseline_is_reported_not_dropped():

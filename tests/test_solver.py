@@ -307,8 +307,8 @@ def test_plan_warns_when_the_solver_stops_at_its_time_limit(monkeypatch):
 
     real = solve_mod._run_highs
 
-    def stopped(solver, time_limit, mip_gap, log):
-        status, value, found, bound = real(solver, time_limit, mip_gap, log)
+    def stopped(solver, time_limit, mip_gap, log, cutoff=None):
+        status, value, found, bound = real(solver, time_limit, mip_gap, log, cutoff)
         return "feasible", value, found, 0.5 * found   # as if stopped with half the gap proven
 
     monkeypatch.setattr(solve_mod, "_run_highs", stopped)
