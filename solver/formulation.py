@@ -34,10 +34,11 @@ nodes outside repeated layers form one more block), with a = the cluster's ``com
 
     E_b >= sum_{overlappable e in b} R_e  -  a * sum_{v in b} sum_s c[v,s] x[v,s],   E_b >= 0
 
-and the objective charges E_b instead of those edges. A gather belongs to its consumer's block,
-a gradient reduction to its producer's. Only a bucketed gradient reduction made by backward itself
-hides (:meth:`Edge.hides`); any other runs after backward, exposed, on its own (with its latency). With a = 0 everything is exposed (the CPU runtime issues
-collectives in graph order and waits on each).
+and the objective charges E_b instead of those edges. A gather belongs to its consumer's block, a
+gradient reduction to its producer's. Only a bucketed gradient reduction made by backward itself
+hides (:meth:`Edge.hides`); any other runs after backward, exposed, on its own (with its latency).
+With a = 0 everything is exposed (the CPU runtime issues collectives in graph order and waits on
+each).
 """
 
 from __future__ import annotations
