@@ -336,8 +336,10 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         else _run_pywraplp(solver, time_limit, mip_gap, log)
     elapsed = time.perf_counter() - start
     # HiGHS prunes its search by the bound but keeps a plan it finds at the root or in presolve
-    if limit is not None and (status == "infeasible" or (found is not None and found >= limit)):
+    if limit is not None and (status == "infeasible" or (status == "optimal" and found >= limit)):
         raise CutoffError(f"no plan predicts a step under {cutoff:.6g} s (or none fits)")
+    if limit is not None and status == "feasible" and found >= limit:   # stopped before proving either
+        raise SolverError(f"{backend} found no plan under the cutoff within {time_limit:.0f}s; raise time_limit")
     if status == "infeasible":
         raise InfeasibleError("no plan satisfies the constraints and the memory limit")
     if status not in ("optimal", "feasible"):

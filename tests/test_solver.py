@@ -316,3 +316,21 @@ def test_plan_warns_when_the_solver_stops_at_its_time_limit(monkeypatch):
     with pytest.warns(UserWarning, match="stopped at time_limit=7s with a plan within 50.0%"):
         plan = autoshard.plan(traced, Cluster.local(2), time_limit=7)
     assert plan.solver["status"] == "feasible" and plan.solver["gap"] == pytest.approx(0.5)
+
+
+def test_a_time_limited_plan_above_the_cutoff_is_not_called_slower(monkeypatch):
+    """Stopped by the time limit with a plan no better than the cutoff, the solver has proven
+    nothing: that is a SolverError (not priced), not a CutoffError (proven no faster)."""
+    from autoshard.solver import solve as solve_mod
+
+    real = solve_mod._run_highs
+
+    def stopped(solver, time_limit, mip_gap, log, cutoff=None):
+        status, value, found, bound = real(solver, time_limit, mip_gap, log)
+        return "feasible", value, found, 0.5 * found
+
+    traced = _mlp_traced()
+    best = autoshard.plan(traced, Cluster.local(2))
+    monkeypatch.setattr(solve_mod, "_run_highs", stopped)
+    with pytest.raises(autoshard.errors.SolverError, match="no plan under the cutoff"):
+        autoshard.plan(traced, Cluster.local(2), cutoff=best.solver["objective"] * 0.99)
