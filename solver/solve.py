@@ -1,12 +1,13 @@
 """solve: the ILP of formulation.py with OR-Tools, deterministically.
 
 HiGHS is the default backend (on random Alpa-style problems it reached the optimum where CBC and
-SCIP left gaps). The model is built with pywraplp (its SWIG builder is 2-3x faster than MathOpt's
-Python one) and HiGHS runs under MathOpt: pywraplp's HiGHS bridge (OR-Tools 9.15) drops the best
-plan found when the time limit stops the search (status 99; or-tools issues 5016 and 5372), and
-ignores the gap and thread options. Other backends (SCIP, CBC, ...) solve through pywraplp.
-Times enter the model in microseconds so coefficients stay well scaled; one thread and a fixed
-seed make the same problem give the same answer.
+SCIP left gaps). The model is built as plain arrays (:class:`Model`: pywraplp's expression objects
+cost ~10 us a term, 3.5 s of an 8-layer Llama's 6 s solve) and HiGHS runs under MathOpt on its
+proto: pywraplp's HiGHS bridge (OR-Tools 9.15) drops the best plan found when the time limit stops
+the search (status 99; or-tools issues 5016 and 5372), and ignores the gap and thread options.
+Other backends (SCIP, CBC, ...) solve the same model through pywraplp. Times enter the model in
+microseconds so coefficients stay well scaled; one thread and a fixed seed make the same problem
+give the same answer.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.fx as fx
-from ortools.linear_solver import linear_solver_pb2, pywraplp
-from ortools.math_opt import model_pb2, result_pb2
+from ortools.linear_solver import pywraplp
+from ortools.math_opt import model_parameters_pb2, model_pb2, result_pb2
 from ortools.math_opt.core.python import solver as mathopt_core
 from ortools.math_opt.python import mathopt
 from ortools.math_opt.python.callback import CallbackRegistration
 from ortools.math_opt.python.init_arguments import StreamableSolverInitArguments
-from ortools.math_opt.python.model_parameters import ModelSolveParameters
 
 from autoshard import costmodel
 from autoshard.errors import CutoffError, InfeasibleError, SolverError
@@ -34,6 +34,93 @@ from autoshard.solver.memory import MemoryModel, predicted_memory
 
 US = 1e6  # seconds -> microseconds
 MB = 2**20  # bytes -> MiB in the memory rows (keeps coefficients near the time terms' scale)
+INF = math.inf
+
+
+class Model:
+    """A MIP as arrays: variables are indices, a row is ``lower <= sum_i a_i v_i <= upper`` with
+    its terms given as [(variable, coefficient)] (repeats add up), and the objective (minimized)
+    is one cost per variable."""
+
+    def __init__(self):
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.cost: list[float] = []
+        self.rows: list[tuple[float, float, dict[int, float]]] = []
+
+    def var(self, lower: float = 0.0, upper: float = INF, integer: bool = False) -> int:
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        self.cost.append(0.0)
+        return len(self.cost) - 1
+
+    def binary(self) -> int:
+        return self.var(0.0, 1.0, True)
+
+    def add(self, terms, lower: float = -INF, upper: float = INF) -> None:
+        coef: dict[int, float] = {}
+        for v, a in terms:
+            coef[v] = coef.get(v, 0.0) + a
+        self.rows.append((lower, upper, coef))
+
+    def to_mathopt(self, objective_scale: float = 1.0) -> model_pb2.ModelProto:
+        """MathOpt's proto (ids are indices), each row divided by :func:`_row_scale` and the
+        objective multiplied by ``objective_scale``. The rows mix megabytes and microseconds
+        (coefficients 8e-6 to 3e7 on a 32-layer Llama, which HiGHS warns of); scaled so, that
+        model solved in 27 s instead of 34 s to the same optimum, and in 21-29 s instead of
+        32-67 s over four seeds (variable values are unchanged)."""
+        m = model_pb2.ModelProto()
+        m.variables.ids.extend(range(len(self.cost)))
+        m.variables.lower_bounds.extend(self.lower)
+        m.variables.upper_bounds.extend(self.upper)
+        m.variables.integers.extend(self.integer)
+        coef = [(i, c) for i, c in enumerate(self.cost) if c]
+        m.objective.linear_coefficients.ids.extend([i for i, _ in coef])
+        m.objective.linear_coefficients.values.extend([c * objective_scale for _, c in coef])
+        scale = [_row_scale(coef.values()) for _, _, coef in self.rows]
+        m.linear_constraints.ids.extend(range(len(self.rows)))
+        m.linear_constraints.lower_bounds.extend([lo * f for (lo, _, _), f in zip(self.rows, scale)])
+        m.linear_constraints.upper_bounds.extend([up * f for (_, up, _), f in zip(self.rows, scale)])
+        row_ids, col_ids, vals = [], [], []
+        for k, ((_, _, coef), f) in enumerate(zip(self.rows, scale)):
+            entries = sorted(coef.items())   # MathOpt wants row-major order
+            row_ids.extend([k] * len(entries))
+            col_ids.extend([j for j, _ in entries])
+            vals.extend([a * f for _, a in entries])
+        matrix = m.linear_constraint_matrix
+        matrix.row_ids.extend(row_ids)
+        matrix.column_ids.extend(col_ids)
+        matrix.coefficients.extend(vals)
+        return m
+
+    def to_pywraplp(self, backend: str) -> tuple[pywraplp.Solver, list]:
+        solver = pywraplp.Solver.CreateSolver(backend)
+        if solver is None:
+            raise SolverError(f"OR-Tools backend {backend!r} is not available in this build")
+        xs = [solver.IntVar(lo, up, "") if integer else solver.NumVar(lo, up, "")
+              for lo, up, integer in zip(self.lower, self.upper, self.integer)]
+        for lo, up, coef in self.rows:
+            row = solver.Constraint(lo, up)
+            for i, a in coef.items():
+                row.SetCoefficient(xs[i], a)
+        objective = solver.Objective()
+        for i, c in enumerate(self.cost):
+            if c:
+                objective.SetCoefficient(xs[i], c)
+        objective.SetMinimization()
+        return solver, xs
+
+
+def _row_scale(coefficients, smallest: float = 1e-8) -> float:
+    """The power of two that brings a row's largest |coefficient| into [1, 2), exact in floating
+    point, but none that takes its smallest below ``smallest`` (HiGHS drops |a| <= 1e-9)."""
+    mags = [abs(a) for a in coefficients if a]
+    if not mags:
+        return 1.0
+    f = 2.0 ** -math.floor(math.log2(max(mags)))
+    return max(f, min(2.0 ** math.ceil(math.log2(smallest / min(mags))), 1.0))
 
 
 @dataclass
@@ -42,7 +129,7 @@ class _MemoryRows:
     terms: list        # the peak as [(var, bytes)] (for minimize="memory"; empty otherwise)
 
 
-def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: list,
+def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list,
                  reshard_terms: dict, minimize: str = "time") -> _MemoryRows:
     """The memory block of DESIGN.md's ILP (formulas in solver/memory.py); ``held``: the working
     copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds,
@@ -52,46 +139,48 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
                                          gathered, in_flight, moved_copy, rematerialized)
 
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
-    r = {v: solver.NumVar(1, 1, "") if mm.recompute_all else solver.BoolVar("") for v in mm.recomputable}
-    keep = {v: solver.BoolVar("") for v in mm.candidates}
-    avail = lambda u: keep[u] + r[u] if u in r else keep[u]  # noqa: E731
+    per_mb = lambda terms, sign=1.0: [(var, sign * c / MB) for var, c in terms]  # noqa: E731
+    r = {v: m.var(1.0, 1.0) if mm.recompute_all else m.binary() for v in mm.recomputable}
+    keep = {v: m.binary() for v in mm.candidates}
+    avail = lambda u: [(keep[u], 1.0), (r[u], 1.0)] if u in r else [(keep[u], 1.0)]  # noqa: E731
 
     # validity: backward's inputs exist; a recomputed node's inputs exist; a view's base exists
     for u in mm.needed:
-        solver.Add(avail(u) >= 1)
+        m.add(avail(u), lower=1)
     for v in mm.recomputable:
         for u in mm.inputs_of[v]:
-            solver.Add(avail(u) >= r[v])
+            m.add(avail(u) + [(r[v], -1.0)], lower=0)
     # saving a view holds its base (recomputing the base frees nothing); when the plan moves the
-    # view's input by a collective, the view holds the moved copy (memory.py: resharded_view)
+    # view's input by a collective, the view holds the moved copy (memory.py: resharded_view):
+    #   c_v >= sum moved / MB - big / MB (1 - keep_v)
     copied = []   # [(c_v, MB)]: the bytes of saved views of moved copies
     for v, u in mm.base_of.items():
-        solver.Add(keep[u] >= keep[v])
+        m.add([(keep[u], 1.0), (keep[v], -1.0)], lower=0)
         moved = [(var, b) for var, _, (q, p) in reshard_terms.get(mm.view_edge.get(v), [])
                  for b in [moved_copy(mm, v, q, p)] if b is not None]
         if moved:
-            big = max(b for _, b in moved)
-            c = solver.NumVar(0, solver.infinity(), "")
-            solver.Add(c >= solver.Sum([var * (b / MB) for var, b in moved]) - big / MB * (1 - keep[v]))
+            big = max(b for _, b in moved) / MB
+            c = m.var()
+            m.add([(c, 1.0), *per_mb(moved, -1.0), (keep[v], -big)], lower=-big)
             copied.append((c, MB))
 
     # The products x[v,s] * r_v and x[v,s] * keep_v in their tight (convex-hull) form:
     #   z[v,s] <= x[v,s],  sum_s z[v,s] = b_v   (b = r or keep)  =>  z = x * b for binary x, b
     def product(v, b):
-        z = {s: solver.NumVar(0, 1, "") for s in problem.allowed[v]}
+        z = {s: m.var(0.0, 1.0) for s in problem.allowed[v]}
         for s, var in z.items():
-            solver.Add(var <= x[v, s])
-        solver.Add(solver.Sum(list(z.values())) == b)
+            m.add([(var, 1.0), (x[v, s], -1.0)], upper=0)
+        m.add([*((var, 1.0) for var in z.values()), (b, -1.0)], lower=0, upper=0)
         return z
 
     # recompute cost: sum_s c[v,s] x[v,s] r_v; a nanosecond per recomputed node breaks ties
     # towards saving (recomputing a free view gains nothing)
     live = set(rematerialized(mm))
     replayed: dict[object, list] = {}   # block -> [(j or g var, +-bytes / n_v)]: its lazy replays
-    a = {v: solver.NumVar(0, 1, "") for v in r}   # replayed at the start of backward (below)
-    start = []                                      # [(g var, bytes)]
+    a = {v: m.var(0.0, 1.0) for v in r}   # replayed at the start of backward (below)
+    start = []                              # [(g var, bytes)]
     for v, rv in r.items():
-        objective.SetCoefficient(rv, 1e-3)
+        m.cost[rv] += 1e-3
         allowed = problem.allowed[v]
         cost = max(problem.cost[v][s] for s in allowed) > 0
         act = v in live and max((mm.act[v][s] for s in allowed), default=0.0) > 0
@@ -99,7 +188,7 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
             continue
         j = product(v, rv)
         for s, var in j.items():
-            objective.SetCoefficient(var, problem.cost[v][s] * US)
+            m.cost[var] += problem.cost[v][s] * US
         if act:
             b = mm.block.get(v)
             g = product(v, a[v])
@@ -113,9 +202,9 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
         big = max((c for _, c, _ in e_terms), default=0.0)   # one variable of an edge's terms is 1
         if e.kind != "input" or e.dst not in r or big <= 0:
             continue
-        w = solver.NumVar(0, solver.infinity(), "")
-        objective.SetCoefficient(w, 1.0)
-        solver.Add(w >= solver.Sum([var * c for var, c, _ in e_terms]) - big * (1 - r[e.dst]))
+        w = m.var()
+        m.cost[w] += 1.0
+        m.add([(w, 1.0), *((var, -c) for var, c, _ in e_terms), (r[e.dst], -big)], lower=-big)
 
     # saved activations: sum_s act[v,s] x[v,s] keep_v
     saved_terms = []
@@ -125,9 +214,9 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
 
     # transient working set: T >= sum_s work[v,s] x[v,s] for every op, and
     #   T >= sum_{grad edges e of b} sum_{q,p} f[e,q,p] y[e,q,p] / n_e for every block b
-    t = solver.NumVar(0, solver.infinity(), "")
+    t = m.var()
     for v in mm.work:
-        solver.Add(t >= solver.Sum([var * (w / MB) for var, w in expr(mm.work, v)]))
+        m.add([(t, 1.0), *per_mb(expr(mm.work, v), -1.0)], lower=0)
     #   T >= GATHERED_COPIES sum_{uses e of b, phase} sum_{q,p} gathered[e,q,p] y[e,q,p] / n_e
     #   (outside the layers, per consumer: T >= its uses' gathered copies)
     def grouped(edges, key, nbytes) -> dict:   # key -> [(var, bytes)] over the edges' moves
@@ -142,22 +231,22 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
                       lambda e, q, p: gather_of(mm, e)[1] * gathered(mm, e, q, p))
     for b, terms in [*bucket.items(), *gathers.items()]:
         if terms and b != END:
-            solver.Add(t >= solver.Sum([var * (c / MB) for var, c in terms]))
+            m.add([(t, 1.0), *per_mb(terms, -1.0)], lower=0)
 
     # recomputed values live in backward, replayed at its start (a_v) or lazily per block:
     #   a_u >= r_u (u read first),  a_u >= a_v + r_u - 1 (u an input of v),  a_v <= r_v
     #   T_rec >= sum_{v in B} sum_s act[v,s] g[v,s] + sum_{v in B_b} sum_s act[v,s] (j - g)[v,s] / n_v
     for u in {mm.alias.get(u, u) for u in backward_start_reads(mm.recomputable, mm.block)}:
         if u in r:
-            solver.Add(a[u] >= r[u])
+            m.add([(a[u], 1.0), (r[u], -1.0)], lower=0)
     for v in r:
-        solver.Add(a[v] <= r[v])
+        m.add([(a[v], 1.0), (r[v], -1.0)], upper=0)
         for u in mm.inputs_of.get(v, []):
             if u in r and u is not v:
-                solver.Add(a[u] >= a[v] + r[u] - 1)
-    t_rec = solver.NumVar(0, solver.infinity(), "")
+                m.add([(a[u], 1.0), (a[v], -1.0), (r[u], -1.0)], lower=-1)
+    t_rec = m.var()
     for rows in replayed.values() or [[]]:
-        solver.Add(t_rec >= solver.Sum([var * (c / MB) for var, c in start + rows]))
+        m.add([(t_rec, 1.0), *per_mb(start + rows, -1.0)], lower=0)
 
     # the peak: the larger of backward's start and its end (the last bucket, gradients handed over
     # unreduced and their buckets), a moment only where it holds more than the state
@@ -165,15 +254,15 @@ def _memory_rows(solver, objective, problem: Problem, mm: MemoryModel, x, held: 
     backward_start = state_terms + held + saved_terms + copied + [(t_rec, MB), (t, MB)]
     handed = bucket.get(END, []) + [(var, d) for e in mm.grads for var, _, (q, p) in reshard_terms.get(e, [])
                             for d in [delivered(mm, e, q, p)] if d > 0]
-    rows = [solver.Sum([var * (c / MB) for var, c in terms])
-            for terms in (backward_start, state_terms + held + handed) if terms is backward_start or handed]
+    moments = [per_mb(terms) for terms in (backward_start, state_terms + held + handed)
+               if terms is backward_start or handed]
     if minimize != "memory":   # each moment <= limit
-        for row in rows:
-            solver.Add(row <= mm.limit / MB)
+        for terms in moments:
+            m.add(terms, upper=mm.limit / MB)
         return _MemoryRows(r, [])
-    peak = solver.NumVar(0, mm.limit / MB, "")   # the least-memory solve's objective: the larger moment
-    for row in rows:
-        solver.Add(peak >= row)
+    peak = m.var(0.0, mm.limit / MB)   # the least-memory solve's objective: the larger moment
+    for terms in moments:
+        m.add([(peak, 1.0), *((var, -c) for var, c in terms)], lower=0)
     return _MemoryRows(r, [(peak, MB)])
 
 
@@ -236,24 +325,17 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         mip_gap = 1e-3 if minimize == "time" else 1e-4
     start = time.perf_counter()
     reshard = functools.cache(functools.partial(costmodel.resharding_time, cluster))  # repeats across edges
-    solver = pywraplp.Solver.CreateSolver(backend)
-    if solver is None:
-        raise SolverError(f"OR-Tools backend {backend!r} is not available in this build")
-    log = bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))  # solver progress, for diagnosing slow solves
-    solver.EnableOutput() if log else solver.SuppressOutput()
-    solver.SetNumThreads(1)
-    solver.SetTimeLimit(int(time_limit * 1000))
-    objective = solver.Objective()
+    m = Model()
 
     # x[v,s]: node v takes strategy s; exactly one per node.
     x = {}
     for v in problem.nodes:
         allowed = problem.allowed[v]
         for s in allowed:
-            x[v, s] = solver.BoolVar("") if len(allowed) > 1 else solver.NumVar(1, 1, "")
-            objective.SetCoefficient(x[v, s], problem.cost[v][s] * US)
+            x[v, s] = m.binary() if len(allowed) > 1 else m.var(1.0, 1.0)
+            m.cost[x[v, s]] += problem.cost[v][s] * US
         if len(allowed) > 1:
-            solver.Add(solver.Sum([x[v, s] for s in allowed]) == 1)
+            m.add([(x[v, s], 1.0) for s in allowed], lower=1, upper=1)
 
     # Aligned edges: sum_{s: in_e(s) = p} x[v,s] = sum_{s: out_e(s) = p} x[u,s] for every placement p;
     # a follower's may also slice: sum_{s: in_e(s) = p} x[v,s] <= sum_{s: out_e(s) slices to p} x[u,s]
@@ -264,20 +346,19 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
             for s in problem.allowed[e.src]:
                 q, p = problem.src_placement(e, s), e.dst_in[s]
                 if not (slices_to(q, p) if e.slices else q == p):
-                    solver.Add(x[e.src, s] == 0)
+                    m.add([(x[e.src, s], 1.0)], lower=0, upper=0)
             continue
         src_by, dst_by = {}, {}
         for s in problem.allowed[e.src]:
-            src_by.setdefault(problem.src_placement(e, s), []).append(x[e.src, s])
+            src_by.setdefault(problem.src_placement(e, s), []).append((x[e.src, s], -1.0))
         for s in problem.allowed[e.dst]:
-            dst_by.setdefault(e.dst_in[s], []).append(x[e.dst, s])
+            dst_by.setdefault(e.dst_in[s], []).append((x[e.dst, s], 1.0))
         for p in dict.fromkeys([*src_by, *dst_by]):
             if e.slices:
                 if p in dst_by:
-                    solver.Add(solver.Sum(dst_by[p]) <= solver.Sum([var for q, vs in src_by.items()
-                                                                    if slices_to(q, p) for var in vs]))
+                    m.add(dst_by[p] + [t for q, ts in src_by.items() if slices_to(q, p) for t in ts], upper=0)
             else:
-                solver.Add(solver.Sum(src_by.get(p, [])) == solver.Sum(dst_by.get(p, [])))
+                m.add(dst_by.get(p, []) + src_by.get(p, []), lower=0, upper=0)
 
     # Edges: resharding cost, linear in x when one side has a single placement, else flow form.
     # A parameter's or gradient's move goes to its block's comm instead (formulation.py: Overlap).
@@ -287,7 +368,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         if problem.overlap > 0 and e.hides(q, p, cluster.mesh_shape, problem.micro_batches):
             hideable.setdefault(e.block, []).append((var, c))
         else:
-            objective.SetCoefficient(var, objective.GetCoefficient(var) + c)
+            m.cost[var] += c
 
     held = []  # a parameter's working copy, when its working placement is not its storage
     reshard_terms: dict = {}  # edge -> [(var, microseconds, (source, destination placement))]
@@ -296,12 +377,12 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
             continue
         terms, flows = _edge_cost(problem, e, x, reshard, cluster.mesh_shape)
         for src, dst, r in flows:
-            y = {(q, p): solver.NumVar(0, 1, "") for q in src for p in dst}
+            y = {(q, p): m.var(0.0, 1.0) for q in src for p in dst}
             terms += [(var, r[qp], qp) for qp, var in y.items()]
             for q, ss in src.items():
-                solver.Add(solver.Sum([y[q, p] for p in dst]) == solver.Sum([x[e.src, s] for s in ss]))
+                m.add([*((y[q, p], 1.0) for p in dst), *((x[e.src, s], -1.0) for s in ss)], lower=0, upper=0)
             for p, ss in dst.items():
-                solver.Add(solver.Sum([y[q, p] for q in src]) == solver.Sum([x[e.dst, s] for s in ss]))
+                m.add([*((y[q, p], 1.0) for q in src), *((x[e.dst, s], -1.0) for s in ss)], lower=0, upper=0)
         for var, c, (q, p) in terms:
             charge(e, var, c * US, q, p)
             reshard_terms.setdefault(e, []).append((var, c * US, (q, p)))
@@ -316,24 +397,24 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     for b, terms in hideable.items():
         compute = [(x[v, s], problem.overlap * problem.cost[v][s] * US)
                    for v in members.get(b, []) for s in problem.allowed[v] if problem.cost[v][s] > 0]
-        exposed = solver.NumVar(0, solver.infinity(), "")
-        objective.SetCoefficient(exposed, 1.0)
-        solver.Add(exposed >= solver.Sum([var * c for var, c in terms]) - solver.Sum([var * c for var, c in compute]))
+        exposed = m.var()
+        m.cost[exposed] += 1.0
+        m.add([(exposed, 1.0), *((var, -c) for var, c in terms), *compute], lower=0)
 
-    mem = _memory_rows(solver, objective, problem, memory, x, held, reshard_terms, minimize) \
-        if memory is not None else None
+    mem = _memory_rows(m, problem, memory, x, held, reshard_terms, minimize) if memory is not None else None
     if minimize == "memory":
-        objective.Clear()
+        m.cost = [0.0] * len(m.cost)
         for var, coef in mem.terms:
-            objective.SetCoefficient(var, objective.GetCoefficient(var) + coef / MB)
-    objective.SetMinimization()
+            m.cost[var] += coef / MB
     limit = None if cutoff is None or minimize != "time" else cutoff * US
     if limit is not None and backend != "HIGHS":   # the others take it as a row: objective <= cutoff
-        row = solver.RowConstraint(-solver.infinity(), limit, "")
-        for var in solver.variables():
-            row.SetCoefficient(var, objective.GetCoefficient(var))
-    status, value, found, bound = _run_highs(solver, time_limit, mip_gap, log, limit) if backend == "HIGHS" \
-        else _run_pywraplp(solver, time_limit, mip_gap, log)
+        m.add([(i, c) for i, c in enumerate(m.cost) if c], upper=limit)
+    log = bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))  # solver progress, for diagnosing slow solves
+    if backend == "HIGHS":
+        groups = [[x[v, s] for s in problem.allowed[v]] for v in problem.nodes if len(problem.allowed[v]) > 1]
+        status, value, found, bound = _run_highs(m, time_limit, mip_gap, log, limit, groups)
+    else:
+        status, value, found, bound = _run_pywraplp(m, backend, time_limit, mip_gap, log)
     elapsed = time.perf_counter() - start
     # HiGHS prunes its search by the bound but keeps a plan it finds at the root or in presolve
     if limit is not None and (status == "infeasible" or (status == "optimal" and found >= limit)):
@@ -354,11 +435,15 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         breakdown = predicted_memory(memory, choice, recompute)
     scale = US if minimize == "time" else 1 / MB
     return Solution(choice, recompute, breakdown, found / scale, bound / scale, status, elapsed, backend,
-                    solver.NumVariables(), solver.NumConstraints())
+                    len(m.cost), len(m.rows))
 
 
-def _run_pywraplp(solver, time_limit: float, mip_gap: float, log: bool):
+def _run_pywraplp(m: Model, backend: str, time_limit: float, mip_gap: float, log: bool):
     """(status, variable -> value, objective, best bound) from pywraplp's own solve."""
+    solver, xs = m.to_pywraplp(backend)
+    solver.EnableOutput() if log else solver.SuppressOutput()
+    solver.SetNumThreads(1)
+    solver.SetTimeLimit(int(time_limit * 1000))
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
     code = solver.Solve(params)
@@ -367,84 +452,115 @@ def _run_pywraplp(solver, time_limit: float, mip_gap: float, log: bool):
     objective = solver.Objective()
     if status not in ("optimal", "feasible"):
         return status, None, None, None
-    return status, lambda var: var.solution_value(), objective.Value(), objective.BestBound()
+    values = [var.solution_value() for var in xs]   # read now: the variables die with the solver
+    return status, values.__getitem__, objective.Value(), objective.BestBound()
 
 
 OBJECTIVE_SCALE = 1e-3   # HiGHS sees the objective in these units (milliseconds for step time)
+HINT_GAP = 0.01          # a first plan this close to the LP bound starts HiGHS (_first_plan)
 
 
-def _run_highs(solver, time_limit: float, mip_gap: float, log: bool, cutoff: float | None = None):
+def _run_highs(m: Model, time_limit: float, mip_gap: float, log: bool, cutoff: float | None = None,
+               groups: list[list[int]] = ()):
     """:func:`_run_pywraplp` with HiGHS under MathOpt: at the time limit, the best plan found so
     far is returned ("feasible", with HiGHS's bound) instead of none. The model goes in scaled
-    (:func:`_mathopt_model`); objective and bound come back in the model's own units. ``cutoff``
+    (:meth:`Model.to_mathopt`); objective and bound come back in the model's own units. ``cutoff``
     (model units): "infeasible" once no solution can be below it (HiGHS's ``objective_bound``;
-    MathOpt's own cutoff_limit is not supported for HiGHS)."""
-    mp = linear_solver_pb2.MPModelProto()
-    solver.ExportModelToProto(mp)
-    params = mathopt.SolveParameters(time_limit=timedelta(seconds=time_limit), relative_gap_tolerance=mip_gap,
-                                     random_seed=0, enable_output=log)
-    params.highs.int_options["threads"] = 1   # MathOpt leaves HiGHS's thread count to HiGHS's options
-    if cutoff is not None:
-        params.highs.double_options["objective_bound"] = cutoff * OBJECTIVE_SCALE
-    # the proto-level solve: MathOpt's Python Model would rebuild the model that pywraplp built
-    result = mathopt_core.solve(_mathopt_model(mp, OBJECTIVE_SCALE), mathopt.SolverType.HIGHS.value,
-                                StreamableSolverInitArguments().to_proto(), params.to_proto(),
-                                ModelSolveParameters().to_proto(), None, CallbackRegistration().to_proto(), None, None)
+    MathOpt's own cutoff_limit is not supported for HiGHS). ``groups``: the variables of each
+    node's one-hot strategy choice, for :func:`_first_plan`."""
+    model = m.to_mathopt(OBJECTIVE_SCALE)
+    scaled = None if cutoff is None else cutoff * OBJECTIVE_SCALE
+    deadline = time.perf_counter() + time_limit
+    first = _first_plan(model, groups, time_limit, mip_gap, log, scaled) if groups else None
+    if first is not None and first[0] != "hint":
+        return first
+    params = _highs_parameters(max(deadline - time.perf_counter(), 0.1), mip_gap, log)
+    if scaled is not None:
+        params.highs.double_options["objective_bound"] = scaled
+    result = _highs(model, params, None if first is None else first[1])
     reason = result.termination.reason
     # the objective is bounded below (every cost is >= 0), so "infeasible or unbounded" is infeasible
     if reason in (result_pb2.TERMINATION_REASON_INFEASIBLE, result_pb2.TERMINATION_REASON_INFEASIBLE_OR_UNBOUNDED):
         return "infeasible", None, None, None
-    if reason not in (result_pb2.TERMINATION_REASON_OPTIMAL, result_pb2.TERMINATION_REASON_FEASIBLE) \
-            or not result.solutions or not result.solutions[0].HasField("primal_solution"):
+    values = _values(result, model)
+    if reason not in (result_pb2.TERMINATION_REASON_OPTIMAL, result_pb2.TERMINATION_REASON_FEASIBLE) or not values:
         detail = result_pb2.TerminationReasonProto.Name(reason).removeprefix("TERMINATION_REASON_").lower()
         return f"{detail}{': ' + result.termination.detail if result.termination.detail else ''}", None, None, None
-    primal = result.solutions[0].primal_solution
-    values = [0.0] * len(mp.variable)
-    for i, v in zip(primal.variable_values.ids, primal.variable_values.values):
-        values[i] = v
     status = "optimal" if reason == result_pb2.TERMINATION_REASON_OPTIMAL else "feasible"
-    return (status, lambda var: values[var.index()], primal.objective_value / OBJECTIVE_SCALE,
+    return (status, values.__getitem__, result.solutions[0].primal_solution.objective_value / OBJECTIVE_SCALE,
             result.termination.objective_bounds.dual_bound / OBJECTIVE_SCALE)
 
 
-def _row_scale(coefficients, smallest: float = 1e-8) -> float:
-    """The power of two that brings a row's largest |coefficient| into [1, 2), exact in floating
-    point, but none that takes its smallest below ``smallest`` (HiGHS drops |a| <= 1e-9)."""
-    mags = [abs(a) for a in coefficients if a]
-    if not mags:
-        return 1.0
-    f = 2.0 ** -math.floor(math.log2(max(mags)))
-    return max(f, min(2.0 ** math.ceil(math.log2(smallest / min(mags))), 1.0))
+def _first_plan(model, groups: list[list[int]], time_limit: float, mip_gap: float, log: bool,
+                cutoff: float | None):
+    """A plan to start HiGHS from, and the LP relaxation's bound to end early on.
+
+    HiGHS alone finds its first plan late: on a 32-layer Llama (8x8 mesh, 40 GB) only its sub-MIP
+    at ~15 s of a 17 s solve, after root separation. Yet the LP relaxation there picks one
+    strategy per node outright (its fractions sit in the keep / recompute choices): fixing every
+    node whose LP choice is whole and solving the small MIP left (0.3 s) gave the optimal plan at
+    32 layers and one 0.09% above it at 80. Returns ("optimal", ...) as :func:`_run_highs` does
+    when that plan is within the gap of the LP bound (gap 0 on the 8-layer shape), "infeasible"
+    when the LP is (or its bound reaches the cutoff), ("hint", values) for HiGHS to start from,
+    or None when no plan came of it."""
+    lp = model_pb2.ModelProto()
+    lp.CopyFrom(model)
+    lp.variables.integers[:] = [False] * len(lp.variables.integers)
+    relaxed = _highs(lp, _highs_parameters(time_limit / 4, 0.0, log))
+    reason = relaxed.termination.reason
+    if reason in (result_pb2.TERMINATION_REASON_INFEASIBLE, result_pb2.TERMINATION_REASON_INFEASIBLE_OR_UNBOUNDED):
+        return "infeasible", None, None, None   # no fractional plan fits, so no plan does
+    x = _values(relaxed, lp)
+    if reason != result_pb2.TERMINATION_REASON_OPTIMAL or not x:
+        return None
+    bound = relaxed.solutions[0].primal_solution.objective_value
+    if cutoff is not None and bound >= cutoff:
+        return "infeasible", None, None, None
+    fixed = model_pb2.ModelProto()
+    fixed.CopyFrom(model)
+    for group in groups:
+        best = max(group, key=lambda i: x[i])
+        if x[best] > 1 - 1e-6:
+            fixed.variables.lower_bounds[best] = 1.0
+    rounded = _highs(fixed, _highs_parameters(time_limit / 4, 0.0, log))
+    values = _values(rounded, fixed)
+    if not values:
+        return None
+    found = rounded.solutions[0].primal_solution.objective_value
+    if cutoff is not None and found >= cutoff:
+        return None
+    if found - bound <= mip_gap * found:
+        return "optimal", values.__getitem__, found / OBJECTIVE_SCALE, bound / OBJECTIVE_SCALE
+    # Far above the LP bound, the plan is no help: at 80 layers (9.5% above, though 0.09% above
+    # the optimum) HiGHS restarted on it four times and took 45 s against 36 s without it
+    return ("hint", values) if found - bound <= HINT_GAP * found else None
 
 
-def _mathopt_model(mp, objective_scale: float = 1.0) -> "model_pb2.ModelProto":
-    """pywraplp's model as MathOpt's proto (same variable and row order: ids are indices), each
-    row divided by :func:`_row_scale` and the objective multiplied by ``objective_scale``. The
-    rows mix megabytes and microseconds (coefficients 8e-6 to 3e7 on a 32-layer Llama, which
-    HiGHS warns of); scaled so, that model solved in 27 s instead of 34 s to the same optimum,
-    and in 21-29 s instead of 32-67 s over four seeds (variable values are unchanged)."""
-    m = model_pb2.ModelProto()
-    var, rows = mp.variable, mp.constraint
-    m.variables.ids.extend(range(len(var)))
-    m.variables.lower_bounds.extend([v.lower_bound for v in var])
-    m.variables.upper_bounds.extend([v.upper_bound for v in var])
-    m.variables.integers.extend([v.is_integer for v in var])
-    coef = [(i, v.objective_coefficient) for i, v in enumerate(var) if v.objective_coefficient]
-    m.objective.linear_coefficients.ids.extend([i for i, _ in coef])
-    m.objective.linear_coefficients.values.extend([c * objective_scale for _, c in coef])
-    m.objective.maximize, m.objective.offset = mp.maximize, mp.objective_offset * objective_scale
-    scale = [_row_scale(c.coefficient) for c in rows]
-    m.linear_constraints.ids.extend(range(len(rows)))
-    m.linear_constraints.lower_bounds.extend([c.lower_bound * f for c, f in zip(rows, scale)])
-    m.linear_constraints.upper_bounds.extend([c.upper_bound * f for c, f in zip(rows, scale)])
-    row_ids, col_ids, vals = [], [], []
-    for k, (c, f) in enumerate(zip(rows, scale)):
-        entries = sorted(zip(c.var_index, c.coefficient))   # MathOpt wants row-major order
-        row_ids.extend([k] * len(entries))
-        col_ids.extend([j for j, _ in entries])
-        vals.extend([a * f for _, a in entries])
-    matrix = m.linear_constraint_matrix
-    matrix.row_ids.extend(row_ids)
-    matrix.column_ids.extend(col_ids)
-    matrix.coefficients.extend(vals)
-    return m
+def _highs_parameters(time_limit: float, mip_gap: float, log: bool) -> mathopt.SolveParameters:
+    params = mathopt.SolveParameters(time_limit=timedelta(seconds=time_limit), relative_gap_tolerance=mip_gap,
+                                     random_seed=0, enable_output=log)
+    params.highs.int_options["threads"] = 1   # MathOpt leaves HiGHS's thread count to HiGHS's options
+    return params
+
+
+def _highs(model, params: mathopt.SolveParameters, hint: list[float] | None = None) -> result_pb2.SolveResultProto:
+    """One HiGHS solve of a MathOpt proto (the proto-level call: MathOpt's Python Model would
+    rebuild the model), started from ``hint`` (a value per variable) if given."""
+    start = model_parameters_pb2.ModelSolveParametersProto()
+    if hint is not None:
+        values = start.solution_hints.add().variable_values
+        values.ids.extend(range(len(hint)))
+        values.values.extend(hint)
+    return mathopt_core.solve(model, mathopt.SolverType.HIGHS.value, StreamableSolverInitArguments().to_proto(),
+                              params.to_proto(), start, None, CallbackRegistration().to_proto(), None, None)
+
+
+def _values(result, model) -> list[float] | None:
+    """The first solution's value of every variable (ids are indices), or None without one."""
+    if not result.solutions or not result.solutions[0].HasField("primal_solution"):
+        return None
+    values = [0.0] * len(model.variables.ids)
+    primal = result.solutions[0].primal_solution.variable_values
+    for i, v in zip(primal.ids, primal.values):
+        values[i] = v
+    return values

@@ -269,21 +269,20 @@ def test_solver_options_reach_highs(capfd):
 def _market_split(rows=4, n=30, seed=0):
     """A market-split instance (Cornuejols-Dawande): sum_j a_ij x_j + s+_i - s-_i = d_i, minimize
     the slacks. All-zero x is feasible at once; proving the optimum takes HiGHS ~10 s."""
-    from ortools.linear_solver import pywraplp
+    from autoshard.solver.solve import Model
 
     rng = random.Random(seed)
-    solver = pywraplp.Solver.CreateSolver("HIGHS")
-    x = [solver.BoolVar("") for _ in range(n)]
+    m = Model()
+    x = [m.binary() for _ in range(n)]
     a = [[rng.randint(0, 99) for _ in range(n)] for _ in range(rows)]
     slacks = []
     for row in a:
-        plus, minus = solver.NumVar(0, solver.infinity(), ""), solver.NumVar(0, solver.infinity(), "")
-        solver.Add(solver.Sum([c * v for c, v in zip(row, x)]) + plus - minus == sum(row) // 2)
+        plus, minus = m.var(), m.var()
+        m.add([*zip(x, row), (plus, 1.0), (minus, -1.0)], lower=sum(row) // 2, upper=sum(row) // 2)
         slacks += [plus, minus]
     for v in slacks:
-        solver.Objective().SetCoefficient(v, 1.0)
-    solver.Objective().SetMinimization()
-    return solver, a, x, slacks
+        m.cost[v] = 1.0
+    return m, a, x, slacks
 
 
 def test_time_limit_keeps_the_best_plan_found():
@@ -291,8 +290,8 @@ def test_time_limit_keeps_the_best_plan_found():
     the MathOpt route returns it: the values satisfy the rows and give the objective reported."""
     from autoshard.solver.solve import _run_highs
 
-    solver, a, x, slacks = _market_split()
-    status, value, found, bound = _run_highs(solver, 0.5, 0.0, False)
+    m, a, x, slacks = _market_split()
+    status, value, found, bound = _run_highs(m, 0.5, 0.0, False)
     assert status == "feasible"
     picked = [round(value(v)) for v in x]
     residual = [sum(c * p for c, p in zip(row, picked)) - sum(row) // 2 for row in a]
@@ -307,8 +306,8 @@ def test_plan_warns_when_the_solver_stops_at_its_time_limit(monkeypatch):
 
     real = solve_mod._run_highs
 
-    def stopped(solver, time_limit, mip_gap, log, cutoff=None):
-        status, value, found, bound = real(solver, time_limit, mip_gap, log, cutoff)
+    def stopped(m, time_limit, mip_gap, log, cutoff=None, groups=()):
+        status, value, found, bound = real(m, time_limit, mip_gap, log, cutoff)
         return "feasible", value, found, 0.5 * found   # as if stopped with half the gap proven
 
     monkeypatch.setattr(solve_mod, "_run_highs", stopped)
@@ -325,8 +324,8 @@ def test_a_time_limited_plan_above_the_cutoff_is_not_called_slower(monkeypatch):
 
     real = solve_mod._run_highs
 
-    def stopped(solver, time_limit, mip_gap, log, cutoff=None):
-        status, value, found, bound = real(solver, time_limit, mip_gap, log)
+    def stopped(m, time_limit, mip_gap, log, cutoff=None, groups=()):
+        status, value, found, bound = real(m, time_limit, mip_gap, log)
         return "feasible", value, found, 0.5 * found
 
     traced = _mlp_traced()

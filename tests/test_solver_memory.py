@@ -26,8 +26,9 @@ from test_solver import _aligned_ok, _edge_table, _mlp_traced, _objective, _prob
 pytestmark = pytest.mark.filterwarnings("ignore:autoshard.*planned replicated")
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_memory_and_recompute_match_brute_force(seed):
+@pytest.mark.parametrize(("seed", "backend"), [(0, "HIGHS"), (1, "HIGHS"), (2, "HIGHS"), (0, "SCIP")])
+def test_memory_and_recompute_match_brute_force(seed, backend):
+    """HiGHS (started from its LP-rounded first plan) and SCIP (the same model through pywraplp)."""
     cluster = Cluster.local(2)
     # a batch whose activations outweigh the gradients handed over at the end of backward
     traced = _mlp_traced(dims=(8, 16, 16, 4), batch=64)
@@ -64,7 +65,7 @@ def test_memory_and_recompute_match_brute_force(seed):
     assert best > min(t for t, _ in combos), "the cap must bind"
 
     mm.limit = cap
-    sol = solve(problem, cluster, mm)
+    sol = solve(problem, cluster, mm, backend=backend, mip_gap=0.0)   # SCIP stops at its gap otherwise
     assert sol.status == "optimal"
     recomputed_tiebreak = 1e-9 * len(sol.recompute)  # solve.py adds a nanosecond per recomputed node
     assert sol.objective - recomputed_tiebreak == pytest.approx(best, rel=1e-6, abs=1e-9)
@@ -72,7 +73,7 @@ def test_memory_and_recompute_match_brute_force(seed):
 
     mm.limit = peaks[0] * 0.999  # below every combination
     with pytest.raises(InfeasibleError):
-        solve(problem, cluster, mm)
+        solve(problem, cluster, mm, backend=backend)
 
 
 def test_random_ops_are_never_recomputed():
