@@ -54,6 +54,22 @@ def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 
 
+@contextlib.contextmanager
+def unpriced_strategies():
+    """DTensor's strategy functions price each input redistribution of each strategy with DTensor's
+    own cost estimate (``_ops.utils.generate_redistribute_costs``), which autoshard never reads
+    (costmodel.py prices every move): 2.2 s of a 3.3 s enumeration on an 8-layer Llama. Inside
+    this context they are priced 0; the strategies (placements) are unchanged."""
+    from torch.distributed.tensor._ops import utils
+
+    priced = utils.redistribute_cost
+    utils.redistribute_cost = lambda current, target: 0.0
+    try:
+        yield
+    finally:
+        utils.redistribute_cost = priced
+
+
 def planning_mesh(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> DeviceMesh:
     """A DeviceMesh for planning only: no process group, no backend, any world size."""
     ranks = torch.arange(int(torch.tensor(mesh_shape).prod().item())).view(mesh_shape)

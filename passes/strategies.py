@@ -290,7 +290,8 @@ def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dic
         for node, ns in found.items():
             node.meta[META_KEY] = ns
     else:
-        fallbacks = _enumerate_graph(gm, mesh, mesh_shape)
+        with _torch.unpriced_strategies():
+            fallbacks = _enumerate_graph(gm, mesh, mesh_shape)
         if memo is not None:
             while len(memo) >= MEMO_SHAPES:
                 memo.pop(next(iter(memo)))

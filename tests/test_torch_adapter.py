@@ -43,6 +43,35 @@ def test_sharding_propagator_has_mm_rule():
     assert mm in prop.op_single_dim_strategy_funcs or mm in prop.op_strategy_funcs
 
 
+def test_unpriced_strategies_keeps_the_placements_and_drops_dtensor_prices():
+    """Enumerating with DTensor's redistribution prices at 0 gives the same strategies on every
+    node of a traced Llama (2-D mesh), and the prices come back afterwards."""
+    from torch.distributed.tensor._ops import utils
+
+    import autoshard
+    from autoshard.passes.strategies import META_KEY, _enumerate_graph
+    from autoshard.zoo import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab=256, seq=32, hidden=64, heads=4, intermediate=128, layers=1))
+    traced = autoshard.trace(model, tuple(torch.empty(8, 32, dtype=torch.long, device="meta") for _ in range(2)))
+    mesh = _torch.planning_mesh((2, 2), ("a", "b"))
+    spec = _torch.DTensorSpec(mesh, (Shard(0), Replicate()), _torch.TensorMeta((8, 16), (16, 1), torch.float32))
+    target = _torch.DTensorSpec(mesh, (Replicate(), Replicate()), spec.tensor_meta)
+    price = lambda: utils.generate_redistribute_costs(_torch.OpStrategy([_torch.OpSpec(spec)]), target)  # noqa: E731
+
+    def enumerate_all():
+        _enumerate_graph(traced.gm, mesh, (2, 2))
+        return {n: n.meta.get(META_KEY) for n in traced.gm.graph.nodes}
+
+    priced = enumerate_all()
+    with _torch.unpriced_strategies():
+        assert price() == [0.0]
+        unpriced = enumerate_all()
+    assert price()[0] > 0
+    assert unpriced == priced and sum(len(ns.strategies) for ns in priced.values() if ns) > 100
+
+
 def test_flop_formula_for_mm_matches_hand_count():
     f = _torch.flop_formula(torch.ops.aten.mm.default)
     assert f is not None
