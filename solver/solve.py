@@ -34,6 +34,10 @@ from autoshard.solver.memory import MemoryModel, predicted_memory
 
 US = 1e6  # seconds -> microseconds
 MB = 2**20  # bytes -> MiB in the memory rows (keeps coefficients near the time terms' scale)
+# Microseconds per MiB of peak in the step-time objective: storage placements often tie in time
+# (a weight sharded on either dim moves the same bytes) but not in memory (ResNet-50's golden plan
+# held 5% more after such a tie flipped). 40 us on a 40 GB peak; taken off the reported objective.
+PEAK_TIE_BREAK = 1e-3
 INF = math.inf
 
 
@@ -126,11 +130,10 @@ def _row_scale(coefficients, smallest: float = 1e-8) -> float:
 @dataclass
 class _MemoryRows:
     r: dict            # recompute binaries
-    terms: list        # the peak as [(var, bytes)] (for minimize="memory"; empty otherwise)
+    peak: int          # the larger moment, in MiB: the objective of minimize="memory", a tie-break otherwise
 
 
-def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list,
-                 reshard_terms: dict, minimize: str = "time") -> _MemoryRows:
+def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, reshard_terms: dict) -> _MemoryRows:
     """The memory block of DESIGN.md's ILP (formulas in solver/memory.py); ``held``: the working
     copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds,
     (source, destination placement))] (before overlap), for charging a recomputed node's input
@@ -256,14 +259,10 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list,
                             for d in [delivered(mm, e, q, p)] if d > 0]
     moments = [per_mb(terms) for terms in (backward_start, state_terms + held + handed)
                if terms is backward_start or handed]
-    if minimize != "memory":   # each moment <= limit
-        for terms in moments:
-            m.add(terms, upper=mm.limit / MB)
-        return _MemoryRows(r, [])
-    peak = m.var(0.0, mm.limit / MB)   # the least-memory solve's objective: the larger moment
+    peak = m.var(0.0, mm.limit / MB)   # each moment <= peak <= limit
     for terms in moments:
         m.add([(peak, 1.0), *((var, -c) for var, c in terms)], lower=0)
-    return _MemoryRows(r, [(peak, MB)])
+    return _MemoryRows(r, peak)
 
 
 @dataclass
@@ -401,11 +400,12 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
         m.cost[exposed] += 1.0
         m.add([(exposed, 1.0), *((var, -c) for var, c in terms), *compute], lower=0)
 
-    mem = _memory_rows(m, problem, memory, x, held, reshard_terms, minimize) if memory is not None else None
+    mem = _memory_rows(m, problem, memory, x, held, reshard_terms) if memory is not None else None
     if minimize == "memory":
         m.cost = [0.0] * len(m.cost)
-        for var, coef in mem.terms:
-            m.cost[var] += coef / MB
+        m.cost[mem.peak] = 1.0
+    elif mem is not None:   # of equally fast plans, the one with the least memory
+        m.cost[mem.peak] = PEAK_TIE_BREAK
     limit = None if cutoff is None or minimize != "time" else cutoff * US
     if limit is not None and backend != "HIGHS":   # the others take it as a row: objective <= cutoff
         m.add([(i, c) for i, c in enumerate(m.cost) if c], upper=limit)
@@ -416,6 +416,9 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     else:
         status, value, found, bound = _run_pywraplp(m, backend, time_limit, mip_gap, log)
     elapsed = time.perf_counter() - start
+    if minimize == "time" and mem is not None and value is not None:   # report the step alone
+        tie = PEAK_TIE_BREAK * value(mem.peak)
+        found, bound = found - tie, bound - tie
     # HiGHS prunes its search by the bound but keeps a plan it finds at the root or in presolve
     if limit is not None and (status == "infeasible" or (status == "optimal" and found >= limit)):
         raise CutoffError(f"no plan predicts a step under {cutoff:.6g} s (or none fits)")

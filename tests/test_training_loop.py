@@ -217,4 +217,6 @@ def test_planner_prices_the_moves_the_policy_makes(reduce_dtype):
                 seen["gather"] += 1
             elif src in numel:  # an op reading the fp32 parameter itself (a norm's backward)
                 assert c["bytes"] == numel[src] * 4, (node.name, c)
-    assert seen["gather"] >= len(numel) and seen["grad"] >= 2, seen
+    # storage is pinned sharded, so most parameters are gathered; a few are read sharded where
+    # that is as fast and lighter (solve.PEAK_TIE_BREAK)
+    assert seen["gather"] >= len(numel) // 2 and seen["grad"] >= 2, seen
