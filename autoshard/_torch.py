@@ -45,7 +45,7 @@ __all__ = [
     "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "sharding_propagator",
     "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
     "tree_leaves", "tree_map", "tree_map_only", "default_group_options", "is_all_gather",
-    "all_gather_key", "merge_all_gathers",
+    "all_gather_key", "merge_all_gathers", "unpriced_strategies",
 ]
 
 
