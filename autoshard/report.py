@@ -196,7 +196,8 @@ def header_lines(plan) -> list[str]:
               f"comm {fmt_time(b.get('comm', plan.comm_time))} "
               f"({fmt_time(b.get('exposed_comm', b.get('comm', plan.comm_time)))} exposed, the rest hidden "
               f"behind compute)"]
-             + ([f"recompute {fmt_time(b['recompute'])}"] if "recompute" in b else []))
+             + ([f"recompute {fmt_time(b['recompute'])}"] if "recompute" in b else [])
+             + ([f"optimizer {fmt_time(b['optimizer'])}"] if b.get("optimizer") else []))
     cap, cap_name = cap_of(plan)
     mem = f"peak memory {fmt_bytes(plan.peak_memory)}/device"
     if cap:
