@@ -70,7 +70,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.cluster import Cluster
 from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
-from autoshard.meshes import _divisors, _near_square
+from autoshard.meshes import _divisors, _near_square, tightened
 from autoshard.passes.annotate import is_free
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 from autoshard.passes.trace import TracedModel
@@ -267,8 +267,7 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
             # a grid that cannot beat this baseline's best so far stops early, unless another
             # baseline has the grid too (it is solved once, in full, for both); the early stop
             # is this baseline's outcome alone, so it is not kept
-            cutoff = limit if best is None or common[shape, names, roles] > 1 else \
-                min(best.solver["objective"], limit or math.inf)
+            cutoff = limit if common[shape, names, roles] > 1 else tightened(limit, best)
             try:
                 p = solved[problem] = plan(traced, cluster.with_mesh(shape, names), allow=allow_for(traced, roles),
                                            recompute=recompute, cutoff=cutoff, **kwargs)

@@ -147,7 +147,7 @@ def plan_over(plan_one, traced, cluster: Cluster, meshes, **kwargs):
     for shape, names in _normalize(cluster, meshes):
         logical = cluster.with_mesh(shape, names)
         start = time.perf_counter()
-        args = dict(kwargs, cutoff=cutoff if best is None else min(best.solver["objective"], cutoff or math.inf))
+        args = dict(kwargs, cutoff=tightened(cutoff, best))
         if names == DATA_NAMES:
             args["allow"] = allow_data_outer(traced, kwargs.get("allow"))
         try:
@@ -175,6 +175,14 @@ def plan_over(plan_one, traced, cluster: Cluster, meshes, **kwargs):
         raise min(infeasible, key=lambda e: math.inf if e.min_memory is None else e.min_memory)
     best.stats.update(meshes=tried, mesh_seconds=seconds, mesh_errors=why)
     return best
+
+
+def tightened(cutoff: float | None, best) -> float | None:
+    """The cutoff for the next grid: the caller's, lowered to the objective of the best plan so
+    far (None: no cutoff)."""
+    if best is None:
+        return cutoff
+    return min(best.solver["objective"], math.inf if cutoff is None else cutoff)
 
 
 def failure(exc: Exception) -> str:
