@@ -2,7 +2,9 @@
 
 Every tensor of the joint graph is run as a DTensor in the placement the plan chose: before each
 op its inputs are redistributed to the placements the op's strategy needs, then DTensor runs the
-op on local shards (shape arguments made local by DTensor's own rules). Tracing that with
+op on local shards (shape arguments made local by DTensor's own rules); the sorts, gathers,
+scatters and grouped GEMMs of a token-local MoE region (passes/regions.py) run on each rank's own
+tokens instead, as on a smaller batch, where no DTensor rule could. Tracing that with
 ``make_fx`` records only local ops and the functional collectives the redistributions issue; the
 result is a local joint graph (``primals`` = local parameter shards and inputs, ``tangents``)
 whose outputs are the loss, replicated, and each gradient as its last op left it (possibly a
@@ -36,8 +38,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autoshard import _torch
+from autoshard import _torch, costmodel
 from autoshard.passes.annotate import feeds_only_grads, phases
+from autoshard.passes.regions import runs_locally
 from autoshard.passes.strategies import META_KEY, Strategy, tensor_inputs
 
 ORIGIN = "autoshard.node"   # meta["custom"] key: the joint-graph node a local node implements
@@ -92,7 +95,36 @@ def _mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+_SIZED = {torch.ops.aten.new_zeros.default: 1, torch.ops.aten.new_empty.default: 1}  # op -> its size argument
+
+
+def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
+    """A token-local region's op (passes/regions.py) on this rank's own tokens: inputs moved to the
+    planned placements and taken local, the op run as on a smaller batch (sizes made local), and
+    the outputs wrapped as the planned placements of the whole tensors."""
+    inputs = iter(strategy.inputs)
+    arg = lambda a: _to_placements(env[a], next(inputs), reduce_dtype).to_local()  # noqa: E731
+    args = _torch.tree_map_only(fx.Node, arg, node.args)
+    kwargs = _torch.tree_map_only(fx.Node, arg, node.kwargs)
+    vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+    local = [costmodel.local_shape(v.shape, p, tuple(mesh.shape)) if p is not None else None
+             for v, p in zip(vals, strategy.outputs)]
+    if node.target is torch.ops.aten.arange.default:
+        args = (local[0][0],)
+        kwargs = {**kwargs, "device": _mesh_device(mesh)}
+    elif node.target in _SIZED:
+        i = _SIZED[node.target]
+        args = (*args[:i], list(local[0]), *args[i + 1:])
+    out = node.target(*args, **kwargs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    wrapped = tuple(t if p is None else DTensor.from_local(t, mesh, p, run_check=False, shape=v.shape, stride=v.stride())
+                    for t, p, v in zip(outs, strategy.outputs, vals))
+    return wrapped if isinstance(out, (tuple, list)) else wrapped[0]
+
+
 def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
+    if runs_locally(node, strategy):
+        return _run_local(node, env, strategy, mesh, reduce_dtype)
     inputs = iter(strategy.inputs)
 
     def arg(a):

@@ -224,6 +224,28 @@ def _from_op_strategy(node, func, mesh, schema_info, options=output_options) -> 
     return result
 
 
+def placements_through(node: fx.Node, mesh, inputs: list) -> tuple | None:
+    """The output placements DTensor's rule gives ``node`` on a 1-D ``mesh`` when its tensor
+    inputs arrive in ``inputs`` (one placement each), or None where no rule takes them."""
+    prop = _torch.sharding_propagator()
+    want = tuple((p,) for p in inputs)
+    try:
+        if node.target in prop.op_single_dim_strategy_funcs:
+            found = _from_single_dim(node, prop.op_single_dim_strategy_funcs[node.target], mesh)
+        elif node.target in prop.op_strategy_funcs:
+            fixed = dict(zip(tensor_inputs(node), want))
+            found = _from_op_strategy(node, prop.op_strategy_funcs[node.target], mesh,
+                                      prop.op_to_schema_info.get(node.target), lambda a: [fixed[a]])
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - a rule that rejects these placements
+        return None
+    for outs, ins in found:
+        if tuple(ins) == want:
+            return tuple(None if o is None else o[0] for o in outs)
+    return None
+
+
 def _enumerate(node: fx.Node, mesh) -> tuple[list, str | None]:
     prop = _torch.sharding_propagator()
     op = node.target
@@ -310,6 +332,9 @@ MEMO_SHAPES = 8   # mesh shapes a memo keeps (a plan over logical meshes tries a
 
 
 def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, str]]:
+    from autoshard.passes.regions import META_KEY as REGION_KEY, find_regions, token_local_strategies
+
+    find_regions(gm)
     rep = tuple([Replicate()] * mesh.ndim)
     cache: dict = {}
     fallbacks: list[tuple[str, str]] = []
@@ -337,6 +362,14 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
             strategies, reason = _strategies(node, mesh, mesh_shape, rep)
             if key is not None:
                 cache[key] = (strategies, reason)
+        fact = node.meta.get(REGION_KEY)
+        if fact is not None and not fact.neutral:
+            # a token-local region's ops also run on each rank's own tokens (passes/regions.py)
+            extra = [Strategy(outs, ins, _shards(outs, ins, mesh_shape))
+                     for outs, ins in token_local_strategies(fact, mesh.ndim) if _keep(node, outs, ins, mesh_shape)]
+            strategies = sorted(dict.fromkeys([*strategies, *extra]), key=str)
+            if extra:
+                reason = None
         if reason is not None:
             fallbacks.append((node.name, reason))
         node.meta[META_KEY] = NodeStrategies(strategies, reason)

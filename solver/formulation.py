@@ -53,6 +53,7 @@ from autoshard import costmodel
 from autoshard.errors import ConstraintError
 from autoshard.passes.annotate import feeds_only_grads, is_free
 from autoshard.passes.coarsen import FOLLOW_KEY, LAYER_KEY
+from autoshard.passes.regions import META_KEY as REGION_KEY, split_dims
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
 
 
@@ -136,6 +137,9 @@ class Problem:
     overlap: float = 0.0                                        # the cluster's comm_overlap
     micro_batches: int = 1                                      # K: graph runs per optimizer step
     storage: dict = field(default_factory=dict)                 # parameter placeholder -> its Storage
+    # token-local regions (passes/regions.py), per region and mesh dim: [(node, strategies that
+    # split tokens on that dim)]; every member takes one of its listed strategies, or none does
+    ties: list[list[tuple[fx.Node, tuple[int, ...]]]] = field(default_factory=list)
 
     def src_placement(self, e: Edge, s: int):
         return e.src.meta[META_KEY].strategies[s].outputs[e.src_out]
@@ -265,7 +269,23 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
                                       costmodel.tensor_nbytes(grad.meta["val"], reduce_dtype), kind="grad",
                                       overlap=True, block=block[u],  # to_storage moves it in reduce_dtype
                                       kept=costmodel.tensor_nbytes(grad.meta["val"])))
+    problem.ties = _token_local_ties(problem, cluster.ndim)
     return problem
+
+
+def _token_local_ties(problem: Problem, ndim: int) -> list:
+    regions: dict[int, list[fx.Node]] = {}
+    for v in problem.nodes:
+        fact = v.meta.get(REGION_KEY)
+        if fact is not None and not fact.neutral:
+            regions.setdefault(fact.region, []).append(v)
+    ties = []
+    for members in regions.values():
+        for d in range(ndim):
+            ties.append([(v, tuple(s for s in problem.allowed[v]
+                                   if d in split_dims(v.meta[REGION_KEY], v.meta[META_KEY].strategies[s])))
+                         for v in members])
+    return ties
 
 
 def pool_blocks(problem: Problem, rep: dict[fx.Node, fx.Node]) -> None:
@@ -317,6 +337,9 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
                                e.reduce_nbytes)
         new_of[e] = merged[key]
     shared.edges = list(merged.values())
+    # a region's copies tie the same class nodes alike: one tie per distinct mapped row
+    shared.ties = list({tuple((r(v), ss) for v, ss in tie): [(r(v), ss) for v, ss in tie]
+                        for tie in problem.ties}.values())
 
     from autoshard.solver.memory import MemoryModel
 

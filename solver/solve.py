@@ -359,6 +359,12 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
             else:
                 m.add(dst_by.get(p, []) + src_by.get(p, []), lower=0, upper=0)
 
+    # Token-local regions: on each mesh dim, every member splits tokens there or none does
+    for tie in problem.ties:
+        (h, hs), *rest = tie
+        for v, vs in rest:
+            m.add([*((x[v, s], 1.0) for s in vs), *((x[h, s], -1.0) for s in hs)], lower=0, upper=0)
+
     # Edges: resharding cost, linear in x when one side has a single placement, else flow form.
     # A parameter's or gradient's move goes to its block's comm instead (formulation.py: Overlap).
     hideable: dict[object, list] = {}

@@ -35,17 +35,21 @@ def sharding_cluster(mesh_shape) -> autoshard.Cluster:
 
 
 def train_case(name: str, mesh_shape=None, constraints=None, plan=None, dtype=None) -> dict:
-    """mesh_shape None: the realistic ``Cluster.local`` (free plan); else ``sharding_cluster``."""
+    """mesh_shape None: the realistic ``Cluster.local`` (free plan); ("local", shape): the same on a
+    mesh of that shape; else ``sharding_cluster``."""
     start = time.perf_counter()
     model, inputs = zoo.get(name, "tiny", seed=0, dtype=dtype)
     ref = copy.deepcopy(model)
     world = dist.get_world_size()
-    cluster = autoshard.Cluster.local(world) if mesh_shape is None else sharding_cluster(mesh_shape)
+    if mesh_shape is None or mesh_shape[0] == "local":
+        cluster = autoshard.Cluster.local(world, None if mesh_shape is None else mesh_shape[1])
+    else:
+        cluster = sharding_cluster(mesh_shape)
     dm = autoshard.compile(model, cluster, inputs, constraints=constraints, plan=plan)
     opt = torch.optim.SGD(dm.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     local = dm.shard_inputs(*inputs)
-    err = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses": []}
+    err = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses": [], "grad_scale": 0.0}
     for _ in range(STEPS):
         loss = dm(*local)
         loss.backward()
@@ -56,6 +60,7 @@ def train_case(name: str, mesh_shape=None, constraints=None, plan=None, dtype=No
         for pname, p in dm.named_parameters():
             want = ref.get_parameter(pname).grad
             err["grad"] = max(err["grad"], (p.grad.full_tensor() - want).abs().max().item())
+            err["grad_scale"] = max(err["grad_scale"], want.abs().max().item())
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -66,6 +71,7 @@ def train_case(name: str, mesh_shape=None, constraints=None, plan=None, dtype=No
     err["storage"] = dict(dm.plan.storage)
     err["inputs"] = list(dm.plan.inputs)
     err["sharded_nodes"] = sum(1 for n in dm.plan.nodes if "S(" in n.strategy)
+    err["sorts"] = [n.strategy for n in dm.plan.nodes if n.op == str(torch.ops.aten.sort.default)]
     err["names"] = sorted(n for n, _ in dm.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
     err["seconds"] = time.perf_counter() - start
     return err

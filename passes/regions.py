@@ -1,0 +1,309 @@
+"""regions: token-local regions, the part of a Mixture-of-Experts layer that each rank may run on
+its own tokens.
+
+A grouped-GEMM MoE layer (transformers' ``grouped_mm`` experts) sorts the flattened token-expert
+pairs of the *whole* batch by expert (``aten.sort``), gathers the tokens in that order, counts
+each expert's rows (``histc``, ``cumsum``), runs one GEMM per expert over its run of rows
+(``_grouped_mm`` with offsets) and scatters the results back to token order. No op in the middle
+has a sharded DTensor rule (a shard of a globally sorted tensor is not what a rank can compute),
+so the routed tensors (tokens x top-k rows) would be whole on every rank. But routing is per
+token: when each rank sorts, gathers, multiplies and scatters back only its own tokens, the
+layer's output rows, its input gradient rows and its expert-weight gradients (partial sums over
+tokens) are exactly the shards of the single-device ones. Expert-parallel MoE runs do the same
+before their all-to-all.
+
+:func:`find_regions` finds such regions by following what each tensor means from the sort on:
+
+* *order*: ``sorted`` (rows in the rank's local expert order) or ``token`` (rows in token order);
+* *values*: ``plain`` data, ``tok`` (local token positions: the sort's permutation, ``// top_k``)
+  or ``pos`` (local sorted positions: the inverse permutation);
+* a ``table`` (per-expert counts and offsets of the rank's own rows).
+
+Gathers (``index``), scatters (``index_put``), the sort, the counts and the grouped GEMM have
+rules for each combination that keeps the meaning exact; any other op touching a region tensor
+must be row-wise (DTensor's own rule maps the token axis through it). A tensor leaves the region
+only in token order with plain values (a shard) or as a sum over tokens (a partial); anything
+else makes the region invalid, and it is left to the ordinary rules (replicated routing), with a
+warning naming the op.
+
+Facts go to ``node.meta["autoshard.region"]``: a :class:`TokenLocal` per region node, giving the
+placement each of its tensors takes on a mesh dim the region splits tokens over.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoshard import _torch
+from autoshard.passes.strategies import placements_through, tensor_inputs
+
+META_KEY = "autoshard.region"
+
+aten = torch.ops.aten
+_BUFFERS = (aten.new_zeros.default, aten.empty_like.default, aten.zeros_like.default, aten.new_empty.default)
+
+
+@dataclass(frozen=True)
+class TokenLocal:
+    region: int                      # index of the region (one per MoE layer's sort)
+    outputs: tuple                   # per tensor output: its placement on a token-split mesh dim
+    inputs: tuple                    # per tensor input (strategies.tensor_inputs order)
+    local: bool                      # run on local tensors (True) or through DTensor's rule (False)
+
+    @property
+    def neutral(self) -> bool:
+        """No tensor of the node is split (a table op): it reads alike in either mode."""
+        return all(p is None or isinstance(p, Replicate) for p in (*self.outputs, *self.inputs))
+
+
+@dataclass(frozen=True)
+class _Local:
+    region: int
+    order: str    # "sorted" | "token"
+    axis: int     # the token axis
+    values: str   # "plain" | "tok" | "pos"
+    rows: int = 0  # for positions: the length of the axis they index
+
+
+@dataclass(frozen=True)
+class _Table:
+    region: int
+
+
+@dataclass(frozen=True)
+class _Buffer:     # a fresh tensor only a scatter writes
+    region: int
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _val(a: fx.Node):
+    return a.meta.get("val")
+
+
+def _value_key(a: fx.Node):
+    if a.op == "call_function" and a.target is operator.getitem and isinstance(_val(a.args[0]), (tuple, list)):
+        return a.args[0], a.args[1]
+    return a, 0
+
+
+def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
+    """Mark every valid token-local region of ``gm`` (see the module doc); returns node -> fact."""
+    for node in gm.graph.nodes:
+        node.meta.pop(META_KEY, None)
+    mesh1 = _torch.planning_mesh((2,), ("t",))
+    state: dict[tuple, object] = {}        # (producer, output index) -> _Local | _Table
+    facts: dict[fx.Node, TokenLocal] = {}
+    invalid: dict[int, str] = {}
+    seeds: list[fx.Node] = []
+
+    def st(a):
+        return state.get(_value_key(a)) if isinstance(a, fx.Node) else None
+
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            for a in tensor_inputs(node):
+                s = st(a)
+                if s is not None:
+                    invalid.setdefault(s.region, f"{a.name}, in a rank's own order, is a graph output")
+            continue
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        ins = tensor_inputs(node)
+        regions = {s.region for s in map(st, ins) if s is not None}
+        if node.target is aten.sort.default and not regions:
+            x = ins[0]
+            if _val(x).ndim == 1:
+                rid = len(seeds)
+                seeds.append(node)
+                state[(node, 0)] = _Local(rid, "sorted", 0, "plain")
+                state[(node, 1)] = _Local(rid, "sorted", 0, "tok", _val(x).shape[0])
+                facts[node] = TokenLocal(rid, (Shard(0), Shard(0)), (Shard(0),), True)
+            continue
+        if not regions:
+            continue
+        # On a failure the node's outputs stay unmarked: the region will run as the ordinary
+        # (global) ops it is, so what it makes are ordinary tensors, and later layers' sorts
+        # still start regions of their own.
+        if len(regions) > 1:
+            for r in regions:
+                invalid.setdefault(r, f"{node.name} joins two regions")
+            continue
+        (rid,) = regions
+        try:
+            outs, fact = _rule(node, ins, st, mesh1, rid, facts)
+        except _Invalid as exc:
+            invalid.setdefault(rid, f"{node.name} ({node.target}): {exc}")
+            continue
+        for i, s in enumerate(outs):
+            if s is not None:
+                state[(node, i)] = s
+        facts[node] = fact
+    for rid, why in invalid.items():
+        warnings.warn(f"autoshard: the MoE dispatch sorted at {seeds[rid].name} stays replicated: {why}",
+                      stacklevel=2)
+    ids: dict[int, int] = {}
+    out: dict[fx.Node, TokenLocal] = {}
+    for node in gm.graph.nodes:   # renumber the valid regions 0, 1, ... in graph order
+        fact = facts.get(node)
+        if fact is None or fact.region in invalid:
+            continue
+        fact = TokenLocal(ids.setdefault(fact.region, len(ids)), fact.outputs, fact.inputs, fact.local)
+        node.meta[META_KEY] = out[node] = fact
+    return out
+
+
+def _buffer_fact(buf: fx.Node, rid: int, st) -> TokenLocal:
+    """A fresh buffer a scatter writes, made locally at its local size; its template input (read
+    for dtype and device only) stays where it is in the region, or is read as row shards."""
+    (x,) = tensor_inputs(buf)
+    s = st(x)
+    return TokenLocal(rid, (Shard(0),), (Shard(s.axis) if isinstance(s, _Local) else Shard(0),), True)
+
+
+def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[list, TokenLocal]:
+    t = node.target
+    S0, R = Shard(0), Replicate()
+
+    def local(order, axis=0, values="plain", rows=0):
+        return _Local(rid, order, axis, values, rows)
+
+    def rows(a: fx.Node) -> int:
+        return _val(a).shape[0]
+
+    if t in _BUFFERS:
+        if len(node.users) != 1 or next(iter(node.users)).target is not aten.index_put.default:
+            raise _Invalid("a new tensor from routed rows that is not a scatter's buffer")
+        return [_Buffer(rid)], _buffer_fact(node, rid, st)
+    if any(isinstance(st(a), _Buffer) for a in ins) and t is not aten.index_put.default:
+        raise _Invalid("reads a scatter's buffer")
+    if t is aten.floor_divide.default and st(ins[0]) and st(ins[0]).values == "tok" and len(ins) == 1:
+        s, c = st(ins[0]), node.args[1]
+        if not isinstance(c, int) or c <= 0 or s.rows % c:
+            raise _Invalid("divides token positions by something other than a whole group size")
+        # route positions // top_k: the token of each route (routes of a token are adjacent)
+        return [local(s.order, s.axis, "tok", s.rows // c)], TokenLocal(rid, (Shard(s.axis),), (Shard(s.axis),), False)
+    if t is aten._to_copy.default and isinstance(st(ins[0]), _Local):
+        s = st(ins[0])
+        return [s], TokenLocal(rid, (Shard(s.axis),), (Shard(s.axis),), False)
+    if t is aten.histc.default:
+        s = st(ins[0])
+        if not (isinstance(s, _Local) and s.order == "sorted" and s.values == "plain"):
+            raise _Invalid("counts something other than the sorted expert ids")
+        return [_Table(rid)], TokenLocal(rid, (R,), (S0,), True)
+    if t is aten.cumsum.default:
+        if not isinstance(st(ins[0]), _Table):
+            raise _Invalid("cumsum of a routed tensor")
+        return [_Table(rid)], TokenLocal(rid, (R,), (R,), True)
+    if t is aten.index.Tensor:
+        x, idx = node.args[0], node.args[1]
+        if len(idx) != 1 or not isinstance(idx[0], fx.Node):
+            raise _Invalid("indexes more than one dim")
+        sx, si = st(x), st(idx[0])
+        if sx is None and isinstance(si, _Local) and si.order == "sorted" and si.values == "tok" and \
+                rows(x) == si.rows:
+            return [local("sorted")], TokenLocal(rid, (S0,), (S0, S0), True)  # gather into local order
+        if isinstance(sx, _Local) and sx.order == "sorted" and sx.axis == 0 and sx.values == "plain" and \
+                isinstance(si, _Local) and si.order == "token" and si.values == "pos" and rows(x) == si.rows:
+            return [None], TokenLocal(rid, (S0,), (S0, S0), True)   # back to token order: a shard
+        raise _Invalid("a gather that is neither into local order nor back to token order")
+    if t is aten.index_put.default:
+        buf, idx, vals = node.args[0], node.args[1], node.args[2]
+        acc = (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
+        if len(idx) != 1 or not isinstance(idx[0], fx.Node):
+            raise _Invalid("scatters on more than one dim")
+        if buf.target not in _BUFFERS or len(buf.users) != 1:
+            raise _Invalid(f"scatters into {buf.name}, not a fresh buffer")
+        if not acc and buf.target is not aten.empty_like.default:
+            raise _Invalid("overwrites part of an existing tensor")
+        if acc and buf.target not in (aten.new_zeros.default, aten.zeros_like.default):
+            raise _Invalid("accumulates into a tensor that is not fresh zeros")
+        si, sv = st(idx[0]), st(vals)
+        iota = (vals.target is aten.arange.default and len(vals.args) == 1 and len(vals.users) == 1
+                and not acc and si is not None and si.values == "tok" and vals.args[0] == rows(idx[0]))
+        if isinstance(si, _Local) and si.order == "sorted" and si.values == "tok" and rows(node) == si.rows:
+            if iota:     # out[perm[i]] = i: the inverse permutation (local sorted positions)
+                facts[vals] = TokenLocal(rid, (S0,), (), True)
+                out = local("token", 0, "pos", rows(idx[0]))
+            elif isinstance(sv, _Local) and sv.order == "sorted" and sv.axis == 0 and sv.values == "plain":
+                out = None        # back to token order: a shard
+            else:
+                raise _Invalid("scatters values that are not in local order")
+        elif isinstance(si, _Local) and si.order == "token" and si.values == "pos" and sv is None and \
+                rows(node) == si.rows:
+            out = local("sorted")  # token-order rows into local order (a gather's backward)
+        else:
+            raise _Invalid("a scatter by something other than the sort's permutation")
+        facts[buf] = _buffer_fact(buf, rid, st)
+        return [out], TokenLocal(rid, (S0,), (S0, S0, S0), True)
+    if t is aten._grouped_mm.default:
+        a, b = node.args[0], node.args[1]
+        offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+        if not isinstance(st(offs), _Table):
+            raise _Invalid("a grouped GEMM whose offsets are not the region's counts")
+        sa, sb = st(a), st(b)
+        if isinstance(sa, _Local) and sa.axis == 0 and sa.order == "sorted" and sb is None and _val(b).ndim == 3:
+            return [local("sorted")], TokenLocal(rid, (S0,), (S0, R, R), True)
+        if isinstance(sa, _Local) and sa.axis == 1 and isinstance(sb, _Local) and sb.axis == 0:
+            return [None], TokenLocal(rid, (Partial(),), (Shard(1), S0, R), True)  # a sum over tokens
+        raise _Invalid("a grouped GEMM over rows that are not the region's")
+    # anything else must be row-wise: DTensor's rule carries the token axis through it
+    states = [st(a) for a in ins]
+    if any(isinstance(s, _Table) or (isinstance(s, _Local) and s.values != "plain") for s in states):
+        raise _Invalid("computes on the region's counts or positions")
+    orders = {s.order for s in states if s is not None}
+    if len(orders) != 1:
+        raise _Invalid("mixes rows in token and in local order")
+    in_pl = [R if s is None else Shard(s.axis) for s in states]
+    outs = placements_through(node, mesh1, in_pl)
+    if outs is None:
+        raise _Invalid("has no rule that keeps the token axis")
+    result = []
+    for o in outs:
+        if isinstance(o, Shard):
+            result.append(local(next(iter(orders)), o.dim))
+        elif isinstance(o, Partial) and o.reduce_op == "sum":
+            result.append(None)                  # a sum over tokens: order does not matter
+        elif o is None:
+            result.append(None)
+        else:
+            raise _Invalid(f"its rule gives {o} for the token axis")
+    return result, TokenLocal(rid, tuple(outs), tuple(in_pl), False)
+
+def _on(placements, d):
+    return None if placements is None else placements[d]
+
+
+def split_dims(fact: TokenLocal, strategy) -> frozenset[int]:
+    """The mesh dims on which ``strategy`` splits the region's tokens (its tensors take
+    ``fact``'s placements there)."""
+    ndim = next(len(p) for p in (*strategy.outputs, *strategy.inputs) if p is not None)
+    return frozenset(d for d in range(ndim)
+                     if all(want is None or _on(got, d) == want
+                            for want, got in zip((*fact.outputs, *fact.inputs), (*strategy.outputs, *strategy.inputs))))
+
+
+def runs_locally(node: fx.Node, strategy) -> bool:
+    """Whether the rewriter runs ``node`` on each rank's own tokens under ``strategy``."""
+    fact = node.meta.get(META_KEY)
+    return fact is not None and fact.local and not fact.neutral and bool(split_dims(fact, strategy))
+
+
+def token_local_strategies(fact: TokenLocal, ndim: int) -> list[tuple[tuple, tuple]]:
+    """(outputs, inputs) placements splitting tokens over each non-empty set of mesh dims,
+    replicated on the others."""
+    rep = Replicate()
+    out = []
+    for mask in range(1, 2 ** ndim):
+        dims = [d for d in range(ndim) if mask >> d & 1]
+        pl = lambda p: None if p is None else tuple(p if d in dims else rep for d in range(ndim))  # noqa: E731
+        out.append((tuple(map(pl, fact.outputs)), tuple(map(pl, fact.inputs))))
+    return out

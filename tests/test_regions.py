@@ -1,0 +1,118 @@
+"""passes/regions.py: token-local MoE dispatch regions, their strategies and the ILP's tie."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autoshard
+from autoshard import _torch, zoo
+from autoshard.passes.regions import META_KEY, find_regions, runs_locally, split_dims
+from autoshard.passes.strategies import find_strategies
+
+sys.path.insert(0, str(Path(__file__).parent))
+from zoo_cases import sharding_cluster  # noqa: E402
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    """The tiny Mixtral on its bfloat16 path (grouped GEMMs over sorted tokens), 2 layers."""
+    model, inputs = zoo.get("mixtral", dtype=torch.bfloat16)
+    return autoshard.trace(model, inputs)
+
+
+def _calls(traced, target):
+    return traced.gm.graph.find_nodes(op="call_function", target=target)
+
+
+def test_each_moe_layer_is_one_region_leaving_as_shards_and_partial_sums(mixtral):
+    facts = find_regions(mixtral.gm)
+    sorts = _calls(mixtral, aten.sort.default)
+    assert len(sorts) == 2 and {facts[s].region for s in sorts} == {0, 1}
+    for target in (aten.histc.default, aten.cumsum.default, aten._grouped_mm.default, aten.index_put.default):
+        assert all(n in facts for n in _calls(mixtral, target)), target
+    for rid, sort in enumerate(sorts):
+        members = {n for n, f in facts.items() if f.region == facts[sort].region}
+        exits = {n: [u for u in n.users if u not in members and u.target is not __import__("operator").getitem]
+                 for n in members}
+        exits = {n: us for n, us in exits.items() if us}
+        # per layer, by hand: the output rows gathered back to token order, the gradients of the
+        # hidden states and of the routing weights scattered back, and the two expert weights'
+        # gradients (gate_up, down): sums over the rank's tokens
+        kinds = sorted((str(n.target), tuple(facts[n].outputs)) for n in exits)
+        assert kinds == sorted([
+            (str(aten.index.Tensor), (Shard(0),)),
+            (str(aten.index_put.default), (Shard(0),)),
+            (str(aten.index_put.default), (Shard(0),)),
+            (str(aten._grouped_mm.default), (Partial(),)),
+            (str(aten._grouped_mm.default), (Partial(),)),
+        ]), kinds
+        # the routed rows (tokens x top-k) are split everywhere inside
+        routed = mixtral.gm.graph.find_nodes(op="call_function", target=aten.index.Tensor)[0].meta["val"].shape[0]
+        for n in members:
+            for p, v in zip(facts[n].outputs, n.meta["val"] if isinstance(n.meta["val"], (tuple, list))
+                            else (n.meta["val"],)):
+                if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == routed and v.ndim <= 2:
+                    assert p is None or isinstance(p, (Shard, Partial)), (n.name, p)
+
+
+class _LeakySort(nn.Module):
+    """Sorts tokens by a score and uses the sorted rows position by position: the order leaks."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):
+        _, perm = torch.sort(x.sum(-1))
+        return (x[perm] * self.w).sum()
+
+
+def test_a_sort_whose_order_leaks_stays_replicated_and_says_why():
+    traced = autoshard.trace(_LeakySort(), (torch.randn(16, 8),))
+    with pytest.warns(UserWarning, match=r"MoE dispatch sorted at sort stays replicated: mul.*"):
+        facts = find_regions(traced.gm)
+    assert facts == {}
+    find_strategies(traced.gm, _torch.planning_mesh((2,), ("d0",)))
+    (sort,) = _calls(traced, aten.sort.default)
+    assert [str(s) for s in sort.meta["autoshard.strategies"].strategies] == ["(R)->(R),(R)"]
+
+
+def _members(traced, rid):
+    return [n for n in traced.gm.graph.nodes if n.meta.get(META_KEY) is not None
+            and n.meta[META_KEY].region == rid and not n.meta[META_KEY].neutral]
+
+
+@pytest.mark.parametrize("cluster", [sharding_cluster((2,)), autoshard.Cluster.local(4, (2, 2))], ids=["2", "2x2"])
+def test_plan_splits_each_region_on_the_same_dims_throughout(mixtral, cluster):
+    """The ILP's tie: on each mesh dim every member of a region splits the tokens, or none does."""
+    traced = mixtral
+    plan = autoshard.plan(traced, cluster)
+    chosen = {n.name: n.strategy for n in plan.nodes}
+    split_somewhere = False
+    for rid in (0, 1):
+        members = _members(traced, rid)
+        by_text = {n: {str(s): s for s in n.meta["autoshard.strategies"].strategies} for n in members}
+        dims = {n: split_dims(n.meta[META_KEY], by_text[n][chosen[n.name]]) for n in members}
+        assert len(set(dims.values())) == 1, {n.name: d for n, d in dims.items()}
+        split_somewhere |= bool(next(iter(dims.values())))
+    assert split_somewhere  # the routed rows are most of the layer's work: both clusters split them
+
+
+def test_forbidding_one_member_keeps_the_whole_region_global(mixtral):
+    """Layer 0's sort may not split tokens: its whole region stays global, layer 1's still splits
+    (layers planned apart: shared, the classes would carry the limit to layer 1)."""
+    traced = mixtral
+    first_sort = _calls(traced, aten.sort.default)[0]
+    allow = lambda node, s: node is not first_sort or s.inputs[0] == (Replicate(),)  # noqa: E731
+    plan = autoshard.plan(traced, sharding_cluster((2,)), allow=allow, share_layers=False)
+    chosen = {n.name: n.strategy for n in plan.nodes}
+    for rid, expect_local in ((0, False), (1, True)):
+        for n in _members(traced, rid):
+            s = {str(s): s for s in n.meta["autoshard.strategies"].strategies}[chosen[n.name]]
+            assert runs_locally(n, s) == (expect_local and n.meta[META_KEY].local), (n.name, chosen[n.name])
