@@ -17,6 +17,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, ConstraintError, InfeasibleError, PlanMismatchError, TraceError
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
 from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
+from autoshard.passes.regions import untied
 from autoshard.passes.bucket import bucket_gathers, gradient_buckets, reduce_gradients
 from autoshard.passes.rewrite import local_joint, split
 from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
@@ -322,6 +323,9 @@ def _choice_from_plan(traced, the_plan: Plan) -> dict:
         if not match:
             raise PlanMismatchError(f"the plan's strategy for {node.name} ({want}) is not valid for this model")
         choice[node] = match[0]
+    why = untied(choice)
+    if why is not None:
+        raise PlanMismatchError(f"the plan cannot run: {why}")
     return choice
 
 

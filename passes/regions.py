@@ -46,12 +46,15 @@ from autoshard.passes.strategies import placements_through, tensor_inputs
 META_KEY = "autoshard.region"
 
 aten = torch.ops.aten
+_SORTS = (aten.sort.default, aten.sort.stable)
+_DISPATCH = (aten.histc.default, aten._grouped_mm.default)
 _BUFFERS = (aten.new_zeros.default, aten.empty_like.default, aten.zeros_like.default, aten.new_empty.default)
 
 
 @dataclass(frozen=True)
 class TokenLocal:
     region: int                      # index of the region (one per MoE layer's sort)
+    seed: str                        # the name of that sort
     outputs: tuple                   # per tensor output: its placement on a token-split mesh dim
     inputs: tuple                    # per tensor input (strategies.tensor_inputs order)
     local: bool                      # run on local tensors (True) or through DTensor's rule (False)
@@ -104,6 +107,7 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
     facts: dict[fx.Node, TokenLocal] = {}
     invalid: dict[int, str] = {}
     seeds: list[fx.Node] = []
+    dispatch: set[int] = set()              # regions that count or multiply per expert
 
     def st(a):
         return state.get(_value_key(a)) if isinstance(a, fx.Node) else None
@@ -119,14 +123,14 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
             continue
         ins = tensor_inputs(node)
         regions = {s.region for s in map(st, ins) if s is not None}
-        if node.target is aten.sort.default and not regions:
+        if node.target in _SORTS and not regions:
             x = ins[0]
             if _val(x).ndim == 1:
                 rid = len(seeds)
                 seeds.append(node)
                 state[(node, 0)] = _Local(rid, "sorted", 0, "plain")
                 state[(node, 1)] = _Local(rid, "sorted", 0, "tok", _val(x).shape[0])
-                facts[node] = TokenLocal(rid, (Shard(0), Shard(0)), (Shard(0),), True)
+                facts[node] = TokenLocal(rid, node.name, (Shard(0), Shard(0)), (Shard(0),), True)
             continue
         if not regions:
             continue
@@ -138,8 +142,10 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
                 invalid.setdefault(r, f"{node.name} joins two regions")
             continue
         (rid,) = regions
+        if node.target in _DISPATCH:
+            dispatch.add(rid)
         try:
-            outs, fact = _rule(node, ins, st, mesh1, rid, facts)
+            outs, fact = _rule(node, ins, st, mesh1, rid, seeds[rid].name, facts)
         except _Invalid as exc:
             invalid.setdefault(rid, f"{node.name} ({node.target}): {exc}")
             continue
@@ -148,6 +154,8 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
                 state[(node, i)] = s
         facts[node] = fact
     for rid, why in invalid.items():
+        if rid not in dispatch:   # a sort that is no MoE dispatch: planned as DTensor plans any sort
+            continue
         warnings.warn(f"autoshard: the MoE dispatch sorted at {seeds[rid].name} stays replicated: {why}",
                       stacklevel=2)
     ids: dict[int, int] = {}
@@ -156,25 +164,28 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
         fact = facts.get(node)
         if fact is None or fact.region in invalid:
             continue
-        fact = TokenLocal(ids.setdefault(fact.region, len(ids)), fact.outputs, fact.inputs, fact.local)
+        fact = TokenLocal(ids.setdefault(fact.region, len(ids)), fact.seed, fact.outputs, fact.inputs, fact.local)
         node.meta[META_KEY] = out[node] = fact
     return out
 
 
-def _buffer_fact(buf: fx.Node, rid: int, st) -> TokenLocal:
+def _buffer_fact(buf: fx.Node, rid: int, seed: str, st) -> TokenLocal:
     """A fresh buffer a scatter writes, made locally at its local size; its template input (read
     for dtype and device only) stays where it is in the region, or is read as row shards."""
     (x,) = tensor_inputs(buf)
     s = st(x)
-    return TokenLocal(rid, (Shard(0),), (Shard(s.axis) if isinstance(s, _Local) else Shard(0),), True)
+    return TokenLocal(rid, seed, (Shard(0),), (Shard(s.axis) if isinstance(s, _Local) else Shard(0),), True)
 
 
-def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[list, TokenLocal]:
+def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict) -> tuple[list, TokenLocal]:
     t = node.target
     S0, R = Shard(0), Replicate()
 
     def local(order, axis=0, values="plain", rows=0):
         return _Local(rid, order, axis, values, rows)
+
+    def fact(outputs, inputs, runs_local):
+        return TokenLocal(rid, seed, outputs, inputs, runs_local)
 
     def rows(a: fx.Node) -> int:
         return _val(a).shape[0]
@@ -182,27 +193,31 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[l
     if t in _BUFFERS:
         if len(node.users) != 1 or next(iter(node.users)).target is not aten.index_put.default:
             raise _Invalid("a new tensor from routed rows that is not a scatter's buffer")
-        return [_Buffer(rid)], _buffer_fact(node, rid, st)
+        return [_Buffer(rid)], _buffer_fact(node, rid, seed, st)
     if any(isinstance(st(a), _Buffer) for a in ins) and t is not aten.index_put.default:
         raise _Invalid("reads a scatter's buffer")
-    if t is aten.floor_divide.default and st(ins[0]) and st(ins[0]).values == "tok" and len(ins) == 1:
+    if t is aten.floor_divide.default and isinstance(st(ins[0]), _Local) and st(ins[0]).values == "tok" \
+            and len(ins) == 1:
         s, c = st(ins[0]), node.args[1]
         if not isinstance(c, int) or c <= 0 or s.rows % c:
             raise _Invalid("divides token positions by something other than a whole group size")
         # route positions // top_k: the token of each route (routes of a token are adjacent)
-        return [local(s.order, s.axis, "tok", s.rows // c)], TokenLocal(rid, (Shard(s.axis),), (Shard(s.axis),), False)
+        return [local(s.order, s.axis, "tok", s.rows // c)], fact((Shard(s.axis),), (Shard(s.axis),), False)
     if t is aten._to_copy.default and isinstance(st(ins[0]), _Local):
         s = st(ins[0])
-        return [s], TokenLocal(rid, (Shard(s.axis),), (Shard(s.axis),), False)
+        return [s], fact((Shard(s.axis),), (Shard(s.axis),), False)
     if t is aten.histc.default:
         s = st(ins[0])
-        if not (isinstance(s, _Local) and s.order == "sorted" and s.values == "plain"):
+        if not (isinstance(s, _Local) and s.order == "sorted" and s.values == "plain" and s.axis == 0):
             raise _Invalid("counts something other than the sorted expert ids")
-        return [_Table(rid)], TokenLocal(rid, (R,), (S0,), True)
+        lo, hi = (list(node.args[2:4]) + [node.kwargs.get("min", 0), node.kwargs.get("max", 0)][len(node.args[2:4]):])
+        if not lo < hi:   # a range taken from the data would differ from rank to rank
+            raise _Invalid("counts over a range taken from the data (give histc its min and max)")
+        return [_Table(rid)], fact((R,), (S0,), True)
     if t is aten.cumsum.default:
         if not isinstance(st(ins[0]), _Table):
             raise _Invalid("cumsum of a routed tensor")
-        return [_Table(rid)], TokenLocal(rid, (R,), (R,), True)
+        return [_Table(rid)], fact((R,), (R,), True)
     if t is aten.index.Tensor:
         x, idx = node.args[0], node.args[1]
         if len(idx) != 1 or not isinstance(idx[0], fx.Node):
@@ -210,10 +225,10 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[l
         sx, si = st(x), st(idx[0])
         if sx is None and isinstance(si, _Local) and si.order == "sorted" and si.values == "tok" and \
                 rows(x) == si.rows:
-            return [local("sorted")], TokenLocal(rid, (S0,), (S0, S0), True)  # gather into local order
+            return [local("sorted")], fact((S0,), (S0, S0), True)  # gather into local order
         if isinstance(sx, _Local) and sx.order == "sorted" and sx.axis == 0 and sx.values == "plain" and \
                 isinstance(si, _Local) and si.order == "token" and si.values == "pos" and rows(x) == si.rows:
-            return [None], TokenLocal(rid, (S0,), (S0, S0), True)   # back to token order: a shard
+            return [None], fact((S0,), (S0, S0), True)   # back to token order: a shard
         raise _Invalid("a gather that is neither into local order nor back to token order")
     if t is aten.index_put.default:
         buf, idx, vals = node.args[0], node.args[1], node.args[2]
@@ -228,10 +243,10 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[l
             raise _Invalid("accumulates into a tensor that is not fresh zeros")
         si, sv = st(idx[0]), st(vals)
         iota = (vals.target is aten.arange.default and len(vals.args) == 1 and len(vals.users) == 1
-                and not acc and si is not None and si.values == "tok" and vals.args[0] == rows(idx[0]))
+                and not acc and isinstance(si, _Local) and si.values == "tok" and vals.args[0] == rows(idx[0]))
         if isinstance(si, _Local) and si.order == "sorted" and si.values == "tok" and rows(node) == si.rows:
             if iota:     # out[perm[i]] = i: the inverse permutation (local sorted positions)
-                facts[vals] = TokenLocal(rid, (S0,), (), True)
+                facts[vals] = fact((S0,), (), True)
                 out = local("token", 0, "pos", rows(idx[0]))
             elif isinstance(sv, _Local) and sv.order == "sorted" and sv.axis == 0 and sv.values == "plain":
                 out = None        # back to token order: a shard
@@ -242,8 +257,8 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[l
             out = local("sorted")  # token-order rows into local order (a gather's backward)
         else:
             raise _Invalid("a scatter by something other than the sort's permutation")
-        facts[buf] = _buffer_fact(buf, rid, st)
-        return [out], TokenLocal(rid, (S0,), (S0, S0, S0), True)
+        facts[buf] = _buffer_fact(buf, rid, seed, st)
+        return [out], fact((S0,), (S0, S0, S0), True)
     if t is aten._grouped_mm.default:
         a, b = node.args[0], node.args[1]
         offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
@@ -251,11 +266,13 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[l
             raise _Invalid("a grouped GEMM whose offsets are not the region's counts")
         sa, sb = st(a), st(b)
         if isinstance(sa, _Local) and sa.axis == 0 and sa.order == "sorted" and sb is None and _val(b).ndim == 3:
-            return [local("sorted")], TokenLocal(rid, (S0,), (S0, R, R), True)
+            return [local("sorted")], fact((S0,), (S0, R, R), True)
         if isinstance(sa, _Local) and sa.axis == 1 and isinstance(sb, _Local) and sb.axis == 0:
-            return [None], TokenLocal(rid, (Partial(),), (Shard(1), S0, R), True)  # a sum over tokens
+            return [None], fact((Partial(),), (Shard(1), S0, R), True)  # a sum over tokens
         raise _Invalid("a grouped GEMM over rows that are not the region's")
     # anything else must be row-wise: DTensor's rule carries the token axis through it
+    if torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()):
+        raise _Invalid("draws random numbers by row position, which the rank's own order changes")
     states = [st(a) for a in ins]
     if any(isinstance(s, _Table) or (isinstance(s, _Local) and s.values != "plain") for s in states):
         raise _Invalid("computes on the region's counts or positions")
@@ -266,6 +283,12 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[l
     outs = placements_through(node, mesh1, in_pl)
     if outs is None:
         raise _Invalid("has no rule that keeps the token axis")
+    # one output row per input row: a view that merged rows would pair a rank's own neighbours,
+    # not the neighbours the global order pairs
+    n = {_val(a).shape[s.axis] for a, s in zip(ins, states) if s is not None}
+    vals = _val(node) if isinstance(_val(node), (tuple, list)) else (_val(node),)
+    if len(n) != 1 or any(isinstance(o, Shard) and v.shape[o.dim] not in n for o, v in zip(outs, vals)):
+        raise _Invalid("merges or splits the region's rows")
     result = []
     for o in outs:
         if isinstance(o, Shard):
@@ -276,7 +299,8 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, facts: dict) -> tuple[l
             result.append(None)
         else:
             raise _Invalid(f"its rule gives {o} for the token axis")
-    return result, TokenLocal(rid, tuple(outs), tuple(in_pl), False)
+    return result, fact(tuple(outs), tuple(in_pl), False)
+
 
 def _on(placements, d):
     return None if placements is None else placements[d]
@@ -289,6 +313,22 @@ def split_dims(fact: TokenLocal, strategy) -> frozenset[int]:
     return frozenset(d for d in range(ndim)
                      if all(want is None or _on(got, d) == want
                             for want, got in zip((*fact.outputs, *fact.inputs), (*strategy.outputs, *strategy.inputs))))
+
+
+def untied(choice: dict) -> str | None:
+    """Why ``choice`` (node -> Strategy) cannot run: a region whose members split tokens on
+    different mesh dims (the solver's plans never do; an edited plan file may)."""
+    first: dict[int, tuple[str, frozenset]] = {}
+    for node, s in choice.items():
+        fact = node.meta.get(META_KEY)
+        if fact is None or fact.neutral:
+            continue
+        dims = split_dims(fact, s)
+        name, want = first.setdefault(fact.region, (node.name, dims))
+        if dims != want:
+            return (f"{name} splits the tokens of the MoE dispatch sorted at {fact.seed} on mesh dims {sorted(want)}, "
+                    f"{node.name} on {sorted(dims)}; a region's ops must split alike")
+    return None
 
 
 def runs_locally(node: fx.Node, strategy) -> bool:

@@ -337,6 +337,7 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
     find_regions(gm)
     rep = tuple([Replicate()] * mesh.ndim)
     cache: dict = {}
+    unsplit: dict[str, str] = {}   # a region's sort -> a member no token split suits here
     fallbacks: list[tuple[str, str]] = []
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -370,7 +371,12 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
             strategies = sorted(dict.fromkeys([*strategies, *extra]), key=str)
             if extra:
                 reason = None
+            else:
+                unsplit.setdefault(fact.seed, node.name)
         if reason is not None:
             fallbacks.append((node.name, reason))
         node.meta[META_KEY] = NodeStrategies(strategies, reason)
+    for seed, name in unsplit.items():   # the tie then keeps the whole region global
+        warnings.warn(f"autoshard: the MoE dispatch sorted at {seed} stays replicated on mesh {mesh_shape}: "
+                      f"{name}'s tokens do not split evenly over any of its dims", stacklevel=3)
     return fallbacks

@@ -1,6 +1,7 @@
 """passes/regions.py: token-local MoE dispatch regions, their strategies and the ILP's tie."""
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -62,20 +63,27 @@ def test_each_moe_layer_is_one_region_leaving_as_shards_and_partial_sums(mixtral
 
 
 class _LeakySort(nn.Module):
-    """Sorts tokens by a score and uses the sorted rows position by position: the order leaks."""
+    """Sorts tokens by a score, then uses the sorted rows in a way that depends on their order."""
 
-    def __init__(self):
+    def __init__(self, use: str):
         super().__init__()
+        self.use = use
         self.w = nn.Parameter(torch.randn(16, 8))
 
     def forward(self, x):
         _, perm = torch.sort(x.sum(-1))
-        return (x[perm] * self.w).sum()
+        if self.use == "position":     # each sorted row meets the weight row of its rank
+            return (x[perm] * self.w).sum()
+        return x[perm].view(8, 16).amax(-1).sum()   # "pairs": neighbours in sorted order combine
 
 
-def test_a_sort_whose_order_leaks_stays_replicated_and_says_why():
-    traced = autoshard.trace(_LeakySort(), (torch.randn(16, 8),))
-    with pytest.warns(UserWarning, match=r"MoE dispatch sorted at sort stays replicated: mul.*"):
+@pytest.mark.parametrize("use", ["position", "pairs"])
+def test_a_sort_whose_order_leaks_stays_global(use):
+    """No region: the sort is planned as DTensor plans any sort (replicated along it), and as it
+    is no MoE dispatch (no per-expert counts or GEMMs), nothing is said about it."""
+    traced = autoshard.trace(_LeakySort(use), (torch.randn(16, 8),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         facts = find_regions(traced.gm)
     assert facts == {}
     find_strategies(traced.gm, _torch.planning_mesh((2,), ("d0",)))
@@ -116,3 +124,65 @@ def test_forbidding_one_member_keeps_the_whole_region_global(mixtral):
         for n in _members(traced, rid):
             s = {str(s): s for s in n.meta["autoshard.strategies"].strategies}[chosen[n.name]]
             assert runs_locally(n, s) == (expect_local and n.meta[META_KEY].local), (n.name, chosen[n.name])
+
+
+def test_a_plan_that_splits_a_region_unevenly_is_refused(mixtral):
+    """An edited plan file in which one member of a region stops splitting tokens would run a
+    rank-local sort next to global gathers: compile refuses it, naming both nodes."""
+    from autoshard.api import _choice_from_plan
+    from autoshard.errors import PlanMismatchError
+
+    plan = autoshard.plan(mixtral, sharding_cluster((2,)))
+    _choice_from_plan(mixtral, plan)   # the solver's own plan runs
+    edited = next(n for n in plan.nodes if n.name == "sort_1")
+    assert edited.strategy == "(S(0))->(S(0)),(S(0))"
+    edited.strategy = "(R)->(R),(R)"
+    with pytest.raises(PlanMismatchError, match=r"sort_1 splits the tokens .* sorted at sort_1 on mesh dims \[\], "
+                                                 r"floor_divide_1 on \[0\]"):
+        _choice_from_plan(mixtral, plan)
+
+
+class _Dispatch(nn.Module):
+    """A hand-written grouped-GEMM dispatch (bf16: the grouped GEMM's meta kernel takes no other):
+    the counts' range explicit or left to the data (``histc`` without min and max), the counts
+    used outside or not, a stable sort (``argsort(stable=True)``, as torchtitan's MoE) or not."""
+
+    def __init__(self, explicit_range=True, counts_out=False, stable=False):
+        super().__init__()
+        self.explicit_range, self.counts_out, self.stable = explicit_range, counts_out, stable
+        self.w = nn.Parameter(torch.randn(4, 8, 8, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        _, perm = torch.sort(x.argmax(-1), stable=True) if self.stable else torch.sort(x.argmax(-1))
+        ids = x.argmax(-1)[perm]
+        kw = dict(min=0, max=3) if self.explicit_range else {}
+        counts = torch.histc(ids.float(), bins=4, **kw)
+        y = torch._grouped_mm(x[perm], self.w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        out = torch.empty_like(y)
+        out[perm] = y
+        return out.float().sum() + ((counts // 2).sum() if self.counts_out else 0)
+
+
+def _dispatch(**kw):
+    return autoshard.trace(_Dispatch(**kw), (torch.randn(16, 8, dtype=torch.bfloat16),))
+
+
+def test_counts_over_a_range_from_the_data_are_not_token_local():
+    """Each rank would bin its own ids by its own range (DTensor's histc rule asks for min and
+    max too); and integer ops on the counts are rejected, not a crash."""
+    with pytest.warns(UserWarning, match=r"sorted at sort stays replicated: .*range taken from the data"):
+        assert find_regions(_dispatch(explicit_range=False).gm) == {}
+    with pytest.warns(UserWarning, match=r"sorted at sort stays replicated: floor_divide.*counts or positions"):
+        assert find_regions(_dispatch(counts_out=True).gm) == {}
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_a_hand_written_dispatch_is_one_region(stable):
+    """Not only transformers' layer: a dispatch written by hand, with a stable sort or not, is a
+    region whose rows (the sort's input, the gathered tokens) split."""
+    traced = _dispatch(stable=stable)
+    facts = find_regions(traced.gm)
+    targets = {n.target for n in facts}
+    assert {aten.histc.default, aten.cumsum.default, aten._grouped_mm.default, aten.index_put.default} <= targets
+    assert (aten.sort.stable if stable else aten.sort.default) in targets
+    assert {f.region for f in facts.values()} == {0}
