@@ -95,7 +95,8 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
 
     ``memory_limit`` (bytes per device; default: the cluster's usable device memory) caps the
     predicted peak; ``recompute=False`` forbids recomputing activations, ``recompute="full"``
-    recomputes every activation it can (full activation checkpointing); ``share_layers=False``
+    recomputes every activation it can but what crosses a repeated layer's boundary (per-layer
+    activation checkpointing, as Megatron's full recomputation); ``share_layers=False``
     gives every repeated layer its own decisions and ``followers=False`` every elementwise op
     (passes/coarsen.py; both off: the exact, larger problem); ``progress`` shows
     each stage on stderr (default: when stderr is a terminal). ``allow(node, strategy) -> bool``

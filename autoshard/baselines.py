@@ -48,7 +48,8 @@ dropped):
   x, y and sharded further over z, gathered before use), data parallel outside; on one node of
   G >= 8 also z = 2 with y * x = G/2.
 
-Each in two forms: no recompute (``"name"``) and full activation recompute
+Each in two forms: no recompute (``"name"``) and full activation recompute, per layer (each
+repeated layer's inputs saved, everything else recomputed: Megatron's full recomputation)
 (``"name+recompute"``); over its grids the fastest feasible plan is kept. :func:`compare` plans
 them all next to the free plan (``"auto"``: every logical mesh of :func:`autoshard.meshes.candidates`,
 selective recompute); an infeasible baseline maps to its :class:`InfeasibleError`. Any of the

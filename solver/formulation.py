@@ -357,6 +357,7 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
         m.work[r(v)] = [max(a, b) for a, b in zip(m.work.get(r(v), vals), vals)]
     m.needed = list(dict.fromkeys(r(v) for v in mm.needed))
     m.recomputable = list(dict.fromkeys(r(v) for v in mm.recomputable))
+    m.checkpoints = {r(v) for v in mm.checkpoints}
     for v, us in mm.inputs_of.items():
         m.inputs_of.setdefault(r(v), [])
         m.inputs_of[r(v)] = list(dict.fromkeys(m.inputs_of[r(v)] + [r(u) for u in us if r(u) is not r(v)]))

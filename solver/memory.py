@@ -112,6 +112,7 @@ always available; seeded random ops (dropout) are never recomputed.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -134,7 +135,12 @@ class MemoryModel:
     recomputable: list[fx.Node] = field(default_factory=list)
     inputs_of: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     base_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
-    recompute_all: bool = False     # every recomputable node recomputed (full activation checkpointing)
+    recompute_all: bool = False     # every recomputable node recomputed but the checkpoints
+    # The values that cross a repeated layer's boundary (its inputs, its output to the head). With
+    # recompute_all they are saved, as per-layer activation checkpointing (Megatron's full
+    # recomputation) saves them: recomputing them too would replay the whole forward at the start
+    # of backward (:func:`replayed_at_start`), saving almost nothing.
+    checkpoints: set = field(default_factory=set)
     mesh_shape: tuple = ()
     held: list = field(default_factory=list)   # (storage, parameter, bytes): a gathered working copy
     block: dict = field(default_factory=dict)  # node -> its block (problem.block): whose backward replays it
@@ -217,6 +223,8 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
             mm.base_of[v] = mm.inputs_of[v][0]
         if not _is_random(v):
             mm.recomputable.append(v)
+    layer = lambda n: (n.meta.get(LAYER_KEY) or (None, None))[1]  # noqa: E731 - its copy, unpooled
+    mm.checkpoints = {v for v in fwd if any(u in fwd_set and layer(u) != layer(v) for u in _consumers(v))}
 
     needed: dict[fx.Node, None] = {}
     for n in traced.gm.graph.nodes:
@@ -238,6 +246,11 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     mm.view_edge = {e.dst: e for e in problem.edges
                     if e.kind == "input" and not e.aligned and e.dst is not None and mm.base_of.get(e.dst) is e.src}
     return mm
+
+
+def _consumers(node: fx.Node) -> list[fx.Node]:
+    """The ops reading ``node``'s outputs, through the getitems of a multi-output op."""
+    return [w for u in node.users for w in (_consumers(u) if u.target is operator.getitem else [u])]
 
 
 def _base(node: fx.Node) -> fx.Node:

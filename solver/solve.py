@@ -143,7 +143,8 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
 
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
     per_mb = lambda terms, sign=1.0: [(var, sign * c / MB) for var, c in terms]  # noqa: E731
-    r = {v: m.var(1.0, 1.0) if mm.recompute_all else m.binary() for v in mm.recomputable}
+    r = {v: (m.var(0.0, 0.0) if v in mm.checkpoints else m.var(1.0, 1.0)) if mm.recompute_all else m.binary()
+         for v in mm.recomputable}
     keep = {v: m.binary() for v in mm.candidates}
     avail = lambda u: [(keep[u], 1.0), (r[u], 1.0)] if u in r else [(keep[u], 1.0)]  # noqa: E731
 
