@@ -17,6 +17,12 @@ storage placement, sum_{s: in_e(s) = p} x[v,s] = sum_{s: out_e(s) = p} x[u,s]), 
 are gathered at their consumers, forward and backward alike. Memory rows: solver/memory.py;
 repeated layers: :func:`share`.
 
+Token-local regions (passes/regions.py: an MoE dispatch each rank may run on its own tokens).
+With T_d(v) the strategies of member v that split the tokens on mesh dim d and h the region's
+first member, every member splits where the others do:
+
+    sum_{s in T_d(v)} x[v,s] = sum_{s in T_d(h)} x[h,s]        (every member v, every mesh dim d)
+
 Storage. Each parameter p has two placements: its storage O (a :class:`Storage` decision: where
 the module holds it between steps, where its gradient lands and where its optimizer state lives)
 and its working placement S (the placeholder's strategy, what its consumers and views read). An
