@@ -64,9 +64,8 @@ from collections import Counter, defaultdict
 import torch
 import torch.fx as fx
 
-from autoshard import _torch
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free
-from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
+from autoshard.passes.strategies import META_KEY, args_key, tensor_inputs, value_of
 
 LAYER_KEY = "autoshard.layer"
 FOLLOW_KEY = "autoshard.follows"
@@ -111,7 +110,7 @@ def _token(node: fx.Node, signatures: dict) -> tuple:
     val = node.meta.get("val")
     outs = tuple(shape(v) for v in (val if isinstance(val, (tuple, list)) else (val,)))
     # nodes (also inside lists, e.g. cat's) by shape: their names differ from layer to layer
-    args = repr(_torch.tree_map_only(fx.Node, lambda a: shape(a.meta.get("val")), (node.args, node.kwargs)))
+    args = repr(args_key((node.args, node.kwargs), lambda a: shape(a.meta.get("val"))))
     strategies = node.meta[META_KEY].strategies
     if id(strategies) not in signatures:  # lists are shared between identical nodes
         signatures[id(strategies)] = (strategies, hash(tuple(s.text for s in strategies)))

@@ -92,6 +92,18 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def args_key(a, leaf):
+    """A node's arguments as one comparable value: each fx.Node through ``leaf``, tuples, lists
+    and dicts as tagged tuples (a plain walk: pytree's took a tenth of planning a deep model)."""
+    if isinstance(a, fx.Node):
+        return leaf(a)
+    if isinstance(a, (tuple, list)):
+        return (type(a) is tuple, *(args_key(x, leaf) for x in a))
+    if isinstance(a, dict):
+        return ("D", *((k, args_key(x, leaf)) for k, x in a.items()))
+    return a
+
+
 def value_of(node: fx.Node) -> tuple[fx.Node, int]:
     """(producer, output index) of the tensor a node stands for."""
     ns = node.meta.get(META_KEY)
@@ -268,18 +280,35 @@ def _enumerate(node: fx.Node, mesh) -> tuple[list, str | None]:
     return [(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)))], reason
 
 
-def _cache_key(node: fx.Node):
-    def leaf(a):
-        if isinstance(a, fx.Node):
+class _CacheKeys:
+    """One enumeration per distinct (op, argument shapes and values, input options): the key of a
+    node. An input's options enter as a small int, interned once per producer strategy list
+    (repeated layers share theirs): Placement hashes in Python, and keying by the placements
+    themselves hashed each node's inputs' options again (a third of enumerating a deep model)."""
+
+    def __init__(self):
+        self.by_list: dict[tuple[int, int], tuple[int, list]] = {}   # (id(strategies), k) -> (id, list)
+        self.ids: dict[tuple, int] = {}
+
+    def options_id(self, a: fx.Node) -> int:
+        producer, k = value_of(a)
+        strategies = producer.meta[META_KEY].strategies
+        hit = self.by_list.get((id(strategies), k))
+        if hit is None:   # the list rides along so its id is not reused while the key lives
+            hit = self.by_list[id(strategies), k] = (self.ids.setdefault(tuple(output_options(a)), len(self.ids)),
+                                                      strategies)
+        return hit[0]
+
+    def __call__(self, node: fx.Node):
+        def leaf(a: fx.Node):
             v = a.meta["val"]
-            return ("T", tuple(v.shape), v.dtype, tuple(output_options(a)))
-        return a
-    try:
-        key = (node.target, _torch.tree_map(leaf, (node.args, node.kwargs)))
-        hash(key)
-        return key
-    except TypeError:
-        return None
+            return ("T", tuple(v.shape), v.dtype, self.options_id(a))
+        try:
+            k = (node.target, args_key(node.args, leaf), args_key(node.kwargs, leaf))
+            hash(k)
+            return k
+        except TypeError:
+            return None
 
 
 def _strategies(node: fx.Node, mesh, mesh_shape, rep) -> tuple[list[Strategy], str | None]:
@@ -337,6 +366,7 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
     find_regions(gm)
     rep = tuple([Replicate()] * mesh.ndim)
     cache: dict = {}
+    cache_key = _CacheKeys()
     unsplit: dict[str, str] = {}   # a region's sort -> a member no token split suits here
     fallbacks: list[tuple[str, str]] = []
     for node in gm.graph.nodes:
@@ -356,7 +386,7 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
             continue
         # One enumeration per distinct (op, shapes, arguments, input options): repeated layers
         # share the (immutable) result.
-        key = _cache_key(node)
+        key = cache_key(node)
         if key is not None and key in cache:
             strategies, reason = cache[key]
         else:

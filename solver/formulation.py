@@ -57,7 +57,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import costmodel
 from autoshard.errors import ConstraintError
-from autoshard.passes.annotate import feeds_only_grads, is_free
+from autoshard.passes.annotate import META_KEY as COST_KEY, feeds_only_grads, is_free
 from autoshard.passes.coarsen import FOLLOW_KEY, LAYER_KEY
 from autoshard.passes.regions import META_KEY as REGION_KEY, split_dims
 from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
@@ -191,9 +191,17 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     nodes += storage.values()
     # a Storage decision carries the optimizer's update of its shard (once per step, not per micro-batch)
     trained = {node for name, node in traced.params if traced.grads.get(name) is not None}
-    cost = {n: [costmodel.optimizer_time(cluster, n.param, s, n.param in trained) if isinstance(n, Storage)
-                else micro_batches * costmodel.compute_time(cluster, n, s)
-                for s in n.meta[META_KEY].strategies] for n in nodes}
+    priced: dict = {}   # a repeated layer's op prices like its twins: once per (cost, strategy list)
+
+    def compute(n) -> list[float]:
+        strategies = n.meta[META_KEY].strategies
+        key = (n.meta.get(COST_KEY), id(strategies))
+        if key not in priced:   # the list rides along so its id is not reused
+            priced[key] = ([micro_batches * costmodel.compute_time(cluster, n, s) for s in strategies], strategies)
+        return list(priced[key][0])
+
+    cost = {n: [costmodel.optimizer_time(cluster, n.param, s, n.param in trained) for s in n.meta[META_KEY].strategies]
+            if isinstance(n, Storage) else compute(n) for n in nodes}
     allowed = {n: list(range(len(n.meta[META_KEY].strategies))) for n in nodes}
     rep = tuple([Replicate()] * cluster.ndim)
 
