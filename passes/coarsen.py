@@ -137,8 +137,8 @@ def _period(tokens: list) -> tuple[int, int, int] | None:
     return first, -neg_p, count
 
 
-def _classes(nodes: list[fx.Node], signatures: dict) -> dict[fx.Node, fx.Node]:
-    tokens = [_token(n, signatures) for n in nodes]
+def _classes(nodes: list[fx.Node], token) -> dict[fx.Node, fx.Node]:
+    tokens = [token(n) for n in nodes]
     found = _period(tokens)
     rep: dict[fx.Node, fx.Node] = {}
     if found is None:
@@ -165,13 +165,19 @@ def repeated_layers(traced) -> dict[fx.Node, fx.Node]:
     gm = traced.gm
     rep: dict[fx.Node, fx.Node] = {}
     signatures: dict[int, tuple] = {}  # id(strategy list) -> (the list, kept alive; its hash)
+    tokens: dict[fx.Node, tuple] = {}   # a node's token, once for all rounds
+
+    def token(n: fx.Node) -> tuple:
+        if n not in tokens:
+            tokens[n] = _token(n, signatures)
+        return tokens[n]
     for phase in ("fwd", "bwd"):
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta[META_KEY].alias_of is None
                  and n.meta[COST_KEY].phase == phase]
         # Autograd interleaves some per-layer nodes (bias gradients, concatenations) irregularly;
         # a few more rounds over what is left catch their own periods.
         for _ in range(4):
-            found = _classes([n for n in nodes if n not in rep], signatures)
+            found = _classes([n for n in nodes if n not in rep], token)
             if not found:
                 break
             rep.update(found)

@@ -247,13 +247,21 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     # parameters, their views and casts: what a consumer gathers without waiting on compute
     moved = set(params)
     to_grads = feeds_only_grads(gm, traced) if reduce_dtype is not None else set()
+    wanted: dict = {}   # twins (shared strategy lists) share their edges' dst_in lists, which share() keys by
+
+    def inputs_of(v, i: int) -> list:
+        strategies = v.meta[META_KEY].strategies
+        if (id(strategies), i) not in wanted:   # the list rides along so its id is not reused
+            wanted[id(strategies), i] = ([s.inputs[i] for s in strategies], strategies)
+        return wanted[id(strategies), i][0]
+
     for v in nodes:
         if v.op != "call_function":
             continue
         args = tensor_inputs(v)
         for i, arg in enumerate(args):
             u, k = value_of(arg)
-            dst_in = [s.inputs[i] for s in v.meta[META_KEY].strategies]
+            dst_in = inputs_of(v, i)
             # A view of a parameter takes the parameter's storage placement: the gather happens at
             # each consumer, forward and backward, so no gathered copy lives from one to the other
             # (FSDP's reshard-after-forward) and the view costs no memory, as the memory model says.
@@ -337,11 +345,14 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
                      storage={p: st for p, st in problem.storage.items() if p in cost})
     merged: dict[tuple, Edge] = {}
     new_of: dict[Edge, Edge] = {}
+    wanted: dict[int, tuple] = {}   # id(dst_in) -> its text: twins' edges share the list (formulate)
     for e in problem.edges:
         anchor = e.src if e.kind == "grad" else e.dst
         blk = None if anchor is None else problem.block.get(r(anchor))
+        if e.dst is not None and id(e.dst_in) not in wanted:
+            wanted[id(e.dst_in)] = tuple(map(str, e.dst_in))
         key = (r(e.src), e.src_out, None if e.dst is None else r(e.dst),
-               None if e.dst is None else tuple(map(str, e.dst_in)), e.nbytes, e.fixed, e.kind, e.aligned, e.slices,
+               None if e.dst is None else wanted[id(e.dst_in)], e.nbytes, e.fixed, e.kind, e.aligned, e.slices,
                e.overlap, blk, e.kept, e.reduce_nbytes)
         if key in merged:
             merged[key].weight += e.weight

@@ -186,14 +186,23 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     mesh = cluster.mesh_shape
     mm = MemoryModel(limit, mesh_shape=tuple(mesh), block=dict(problem.block),
                      reduce_in_backward=problem.micro_batches == 1)
+    sized: dict = {}   # repeated layers' twins share strategy lists: one sum per (list, output sizes)
+
+    def local_outputs(node: fx.Node) -> list[float]:
+        strategies = node.meta[META_KEY].strategies
+        key = (id(strategies), tuple(_outputs_bytes(node)))
+        if key not in sized:   # the list rides along so its id is not reused
+            sized[key] = (_local_outputs(node, mesh), strategies)
+        return list(sized[key][0])
+
     trained = {name for name, g in traced.grads.items() if g is not None}
     for name, node in traced.params:
         # at its storage placement: a frozen parameter has no gradient and no optimizer state
         factor = 2.0 + optimizer_factor if name in trained else 1.0
-        mm.state[problem.storage[node]] = [b * factor for b in _local_outputs(node, mesh)]
+        mm.state[problem.storage[node]] = [b * factor for b in local_outputs(node)]
         mm.held.append((problem.storage[node], node, costmodel.tensor_nbytes(node.meta["val"])))
     for node in [*traced.inputs, *(node for _, node in traced.buffers)]:
-        mm.state[node] = _local_outputs(node, mesh)
+        mm.state[node] = local_outputs(node)
     if problem.micro_batches > 1:
         # all but the last micro-batch keep their gradients unreduced, where backward made them
         # (a Partial gradient is a full local copy), and add the next one's into them
@@ -216,7 +225,7 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
             mm.work[v] = [own / s.shards for s in v.meta[META_KEY].strategies]
     for v in fwd:
         free = is_free(v)
-        mm.act[v] = [0.0] * len(v.meta[META_KEY].strategies) if free else _local_outputs(v, mesh)
+        mm.act[v] = [0.0] * len(v.meta[META_KEY].strategies) if free else local_outputs(v)
         producers = [_producer(a) for a in tensor_inputs(v)]
         mm.inputs_of[v] = [u for u in dict.fromkeys(producers) if u in fwd_set]
         if free and mm.inputs_of[v]:
