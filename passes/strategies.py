@@ -104,6 +104,18 @@ def args_key(a, leaf):
     return a
 
 
+def per_strategy_list(cache: dict, strategies: list, extra, make):
+    """``make()``, once per (strategy list, ``extra``) over a cache's life. Identical nodes (the
+    repeated layers) share one immutable strategy list (:func:`find_strategies`), so what derives
+    from it is computed once per list, not per node. The cache keys by the list's id and keeps
+    the list alive so that id is not reused."""
+    key = (id(strategies), extra)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = (make(), strategies)
+    return hit[0]
+
+
 def value_of(node: fx.Node) -> tuple[fx.Node, int]:
     """(producer, output index) of the tensor a node stands for."""
     ns = node.meta.get(META_KEY)
@@ -287,17 +299,13 @@ class _CacheKeys:
     themselves hashed each node's inputs' options again (a third of enumerating a deep model)."""
 
     def __init__(self):
-        self.by_list: dict[tuple[int, int], tuple[int, list]] = {}   # (id(strategies), k) -> (id, list)
+        self.by_list: dict = {}   # per_strategy_list's cache: (producer's list, output) -> id
         self.ids: dict[tuple, int] = {}
 
     def options_id(self, a: fx.Node) -> int:
         producer, k = value_of(a)
-        strategies = producer.meta[META_KEY].strategies
-        hit = self.by_list.get((id(strategies), k))
-        if hit is None:   # the list rides along so its id is not reused while the key lives
-            hit = self.by_list[id(strategies), k] = (self.ids.setdefault(tuple(output_options(a)), len(self.ids)),
-                                                      strategies)
-        return hit[0]
+        return per_strategy_list(self.by_list, producer.meta[META_KEY].strategies, k,
+                                 lambda: self.ids.setdefault(tuple(output_options(a)), len(self.ids)))
 
     def __call__(self, node: fx.Node):
         def leaf(a: fx.Node):

@@ -60,7 +60,7 @@ from autoshard.errors import ConstraintError
 from autoshard.passes.annotate import META_KEY as COST_KEY, feeds_only_grads, is_free
 from autoshard.passes.coarsen import FOLLOW_KEY, LAYER_KEY
 from autoshard.passes.regions import META_KEY as REGION_KEY, split_dims
-from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
+from autoshard.passes.strategies import META_KEY, per_strategy_list, tensor_inputs, value_of
 
 
 @dataclass(eq=False)  # edges are keyed by identity (solve.py maps each to its cost terms)
@@ -191,14 +191,12 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     nodes += storage.values()
     # a Storage decision carries the optimizer's update of its shard (once per step, not per micro-batch)
     trained = {node for name, node in traced.params if traced.grads.get(name) is not None}
-    priced: dict = {}   # a repeated layer's op prices like its twins: once per (cost, strategy list)
+    priced: dict = {}   # a repeated layer's op prices like its twins: once per (strategy list, cost)
 
     def compute(n) -> list[float]:
         strategies = n.meta[META_KEY].strategies
-        key = (n.meta.get(COST_KEY), id(strategies))
-        if key not in priced:   # the list rides along so its id is not reused
-            priced[key] = ([micro_batches * costmodel.compute_time(cluster, n, s) for s in strategies], strategies)
-        return list(priced[key][0])
+        return list(per_strategy_list(priced, strategies, n.meta.get(COST_KEY), lambda: [
+            micro_batches * costmodel.compute_time(cluster, n, s) for s in strategies]))
 
     cost = {n: [costmodel.optimizer_time(cluster, n.param, s, n.param in trained) for s in n.meta[META_KEY].strategies]
             if isinstance(n, Storage) else compute(n) for n in nodes}
@@ -247,13 +245,11 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     # parameters, their views and casts: what a consumer gathers without waiting on compute
     moved = set(params)
     to_grads = feeds_only_grads(gm, traced) if reduce_dtype is not None else set()
-    wanted: dict = {}   # twins (shared strategy lists) share their edges' dst_in lists, which share() keys by
+    wanted: dict = {}   # twins share their edges' dst_in lists, which share() keys by
 
     def inputs_of(v, i: int) -> list:
         strategies = v.meta[META_KEY].strategies
-        if (id(strategies), i) not in wanted:   # the list rides along so its id is not reused
-            wanted[id(strategies), i] = ([s.inputs[i] for s in strategies], strategies)
-        return wanted[id(strategies), i][0]
+        return per_strategy_list(wanted, strategies, i, lambda: [s.inputs[i] for s in strategies])
 
     for v in nodes:
         if v.op != "call_function":

@@ -122,7 +122,7 @@ from torch.distributed.tensor import Partial, Shard
 from autoshard import costmodel
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free, tensor_bytes
 from autoshard.passes.coarsen import LAYER_KEY
-from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
+from autoshard.passes.strategies import META_KEY, per_strategy_list, tensor_inputs, value_of
 
 
 @dataclass
@@ -186,14 +186,11 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     mesh = cluster.mesh_shape
     mm = MemoryModel(limit, mesh_shape=tuple(mesh), block=dict(problem.block),
                      reduce_in_backward=problem.micro_batches == 1)
-    sized: dict = {}   # repeated layers' twins share strategy lists: one sum per (list, output sizes)
+    sized: dict = {}   # one sum per (strategy list, output sizes)
 
     def local_outputs(node: fx.Node) -> list[float]:
-        strategies = node.meta[META_KEY].strategies
-        key = (id(strategies), tuple(_outputs_bytes(node)))
-        if key not in sized:   # the list rides along so its id is not reused
-            sized[key] = (_local_outputs(node, mesh), strategies)
-        return list(sized[key][0])
+        return list(per_strategy_list(sized, node.meta[META_KEY].strategies, tuple(_outputs_bytes(node)),
+                                      lambda: _local_outputs(node, mesh)))
 
     trained = {name for name, g in traced.grads.items() if g is not None}
     for name, node in traced.params:
