@@ -41,7 +41,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch
-from autoshard.passes.strategies import placements_through, tensor_inputs
+from autoshard.passes.strategies import picked_output, placements_through, tensor_inputs
 
 META_KEY = "autoshard.region"
 
@@ -92,12 +92,6 @@ def _val(a: fx.Node):
     return a.meta.get("val")
 
 
-def _value_key(a: fx.Node):
-    if a.op == "call_function" and a.target is operator.getitem and isinstance(_val(a.args[0]), (tuple, list)):
-        return a.args[0], a.args[1]
-    return a, 0
-
-
 def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
     """Mark every valid token-local region of ``gm`` (see the module doc); returns node -> fact."""
     for node in gm.graph.nodes:
@@ -110,7 +104,7 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
     dispatch: set[int] = set()              # regions that count or multiply per expert
 
     def st(a):
-        return state.get(_value_key(a)) if isinstance(a, fx.Node) else None
+        return state.get(picked_output(a) or (a, 0)) if isinstance(a, fx.Node) else None  # before value_of's facts
 
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -210,7 +204,8 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict)
         s = st(ins[0])
         if not (isinstance(s, _Local) and s.order == "sorted" and s.values == "plain" and s.axis == 0):
             raise _Invalid("counts something other than the sorted expert ids")
-        lo, hi = (list(node.args[2:4]) + [node.kwargs.get("min", 0), node.kwargs.get("max", 0)][len(node.args[2:4]):])
+        lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
+        hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
         if not lo < hi:   # a range taken from the data would differ from rank to rank
             raise _Invalid("counts over a range taken from the data (give histc its min and max)")
         return [_Table(rid)], fact((R,), (S0,), True)

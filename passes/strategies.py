@@ -116,6 +116,15 @@ def per_strategy_list(cache: dict, strategies: list, extra, make):
     return hit[0]
 
 
+def picked_output(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(producer, output index) when ``node`` is a getitem picking one output of a multi-output
+    op (no decision of its own: :func:`value_of` reads it from the strategies), else None."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and isinstance(node.args[0].meta.get("val"), (tuple, list)):
+        return node.args[0], node.args[1]
+    return None
+
+
 def value_of(node: fx.Node) -> tuple[fx.Node, int]:
     """(producer, output index) of the tensor a node stands for."""
     ns = node.meta.get(META_KEY)
@@ -388,9 +397,9 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
             continue
         if node.op != "call_function":
             continue
-        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
-                isinstance(node.args[0].meta.get("val"), (tuple, list)):
-            node.meta[META_KEY] = NodeStrategies(alias_of=(node.args[0], node.args[1]))
+        picked = picked_output(node)
+        if picked is not None:
+            node.meta[META_KEY] = NodeStrategies(alias_of=picked)
             continue
         # One enumeration per distinct (op, shapes, arguments, input options): repeated layers
         # share the (immutable) result.
