@@ -49,6 +49,8 @@ read from the graph alone, never from module names.
 Merging is a restriction (members must choose alike), exact in cost: every edge, memory term
 and recompute keeps its own numbers (solver/formulation.py's ``share`` sums them). Facts go to
 ``node.meta["autoshard.layer"]``: (class representative, index of the block copy the node is in).
+Copies are numbered by layer in both passes (backward runs them last to first), so a block is
+one layer's forward, backward, parameters and gradients; the representative is copy 0.
 
 Example::
 
@@ -206,6 +208,10 @@ def repeated_layers(traced) -> dict[fx.Node, fx.Node]:
     for n, r in rep.items():
         members[r].append(n)
     for r, ms in members.items():
-        for j, n in enumerate(sorted(ms, key=order.__getitem__)):
-            n.meta[LAYER_KEY] = (r, j)
+        ms = sorted(ms, key=order.__getitem__)
+        if r.op == "call_function" and r.meta[COST_KEY].phase == "bwd":
+            ms.reverse()  # backward runs the copies last to first: copy j is layer j in every phase
+        for j, n in enumerate(ms):
+            rep[n] = ms[0]
+            n.meta[LAYER_KEY] = (ms[0], j)
     return rep

@@ -312,7 +312,7 @@ def pool_blocks(problem: Problem, rep: dict[fx.Node, fx.Node]) -> None:
     hide the same, so this changes nothing but boundary effects between unlike neighbours."""
     for v in problem.nodes:
         if v in rep:
-            problem.block[v] = problem.block.get(rep[v])
+            problem.block[v] = problem.block.get(rep[v])  # copy 0's (coarsen.repeated_layers)
     for e in problem.edges:
         if e.overlap:
             anchor = e.src if e.kind == "grad" else e.dst

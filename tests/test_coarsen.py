@@ -9,6 +9,7 @@ decisions, with memory still accounted per layer).
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 
 import pytest
@@ -62,6 +63,24 @@ def test_no_repetition_in_an_mlp_of_distinct_layers():
     traced = autoshard.trace(MLP((32, 48, 16)), (torch.randn(8, 32), torch.randn(8, 16)))
     autoshard.plan(traced, Cluster.local(2))
     assert all(m is r for m, r in repeated_layers(traced).items())
+
+
+def test_copies_are_numbered_by_layer_in_forward_and_backward(gpt4):
+    """Backward runs the layers last to first; a copy's index is its layer's in both passes, so
+    one block (the overlap rows', the runtime's buckets) holds a layer's forward, backward,
+    parameters and gradients."""
+    traced, _ = gpt4
+    rep = repeated_layers(traced)
+    checked = 0
+    for name, grad in traced.grads.items():
+        if not name.startswith("blocks.") or grad is None:
+            continue
+        if grad.target is operator.getitem:  # one output of a layer norm's backward
+            grad = grad.args[0]
+        if grad in rep:  # not the few that autograd interleaves irregularly (the last bias's sum)
+            assert grad.meta["autoshard.layer"][1] == int(name.split(".")[1]), name
+            checked += 1
+    assert checked >= 0.9 * 12 * 4
 
 
 @pytest.fixture(scope="module")
