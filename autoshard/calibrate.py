@@ -150,11 +150,9 @@ def _collective(kind: str, nbytes: int, group, device: torch.device) -> tuple[Ca
         return (lambda: dt.redistribute(mesh, [Shard(1)]).to_local()), numel * 4
     part = torch.ones(numel // p, dtype=torch.float32, device=device)
     if kind == "all_gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: gather(full, part, group=group)), numel * 4
+        return (lambda: dist.all_gather_single(full, part, group=group)), numel * 4
     if kind == "reduce_scatter":
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return (lambda: scatter(part, full, group=group)), numel * 4
+        return (lambda: dist.reduce_scatter_single(part, full, group=group)), numel * 4
     raise ValueError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")
 
 

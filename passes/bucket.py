@@ -277,7 +277,7 @@ def _gather_bucket(items: list, bucket: list[tuple[int, int]], d: int, out: list
     locals_ = [items[j][0].to_local() for j, _ in bucket]
     flat = torch.cat([t.reshape(-1) for t in locals_])
     gathered = flat.new_empty(p * flat.numel())
-    dist.all_gather_into_tensor(gathered, flat, group=mesh.get_group(d))
+    dist.all_gather_single(gathered, flat, group=mesh.get_group(d))  # all_gather_into_tensor: deprecated in 2.13
     gathered = gathered.view(p, flat.numel())
     # rank r's piece of every tensor, rank after rank: a tensor is its pieces joined along k
     for (j, k), t, piece in zip(bucket, locals_, gathered.split([t.numel() for t in locals_], dim=1)):
