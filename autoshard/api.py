@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch, costmodel
 from autoshard.cluster import Cluster
-from autoshard.errors import ClusterError, ConstraintError, InfeasibleError, PlanMismatchError, TraceError
+from autoshard.errors import (ClusterError, ConstraintError, CutoffError, InfeasibleError, PlanMismatchError,
+                              SolverError, TraceError)
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
 from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
 from autoshard.passes.regions import untied
@@ -26,7 +27,7 @@ from autoshard.plan import NodeDecision, Plan, parse_placements
 from autoshard.precision import MixedPrecision, cast_module, policy_fingerprint
 from autoshard.progress import Progress
 from autoshard.runtime import DistributedModule
-from autoshard.solver.formulation import Storage, formulate, pool_blocks, share
+from autoshard.solver.formulation import Storage, fixed, formulate, pool_blocks, share
 from autoshard.solver.memory import memory_model, predicted_memory, recompute_resharding, timeline
 from autoshard.solver.solve import solve
 
@@ -150,6 +151,7 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         mm.recompute_all = recompute == "full"
         rep = {n: r for n, r in layers.items()
                if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
+        own_blocks = dict(problem.block)
         pool_blocks(problem, rep)
         small, small_mm, expand = share(problem, mm, rep)
     shared_nodes = (len(problem.nodes), len(small.nodes))
@@ -165,6 +167,10 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
     try:
         with progress.stage("solving"):
             solution = run(limit)
+        copies = 1 + max((n.meta[LAYER_KEY][1] for n in rep), default=0)
+        if 1 < copies <= LAST_LAYER_APART:
+            with progress.stage("deciding the last layer apart"):
+                solution = _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limit, cutoff)
         if solution.status != "optimal":
             warnings.warn(f"autoshard: the solver stopped at time_limit={time_limit:g}s with a plan within "
                           f"{solution.gap:.1%} of the best possible; raise time_limit for one proven within 0.1%",
@@ -191,6 +197,48 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
             f"{_gib(need)} ({parts}), dominated by {what}. Raise memory_limit to at least "
             f"{_gib(need)}, use more devices{'' if recompute else ', allow recompute'}, or shrink the "
             f"batch", min_memory=need) from None
+
+
+# A stack of at most this many layers gets its last layer decided apart after the shared solve
+# (passes/coarsen.py: "Repeated layers").
+LAST_LAYER_APART = 4
+
+
+def _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limit, cutoff):
+    """``solution`` (of the problem shared by ``rep``) improved by letting the last layer copy and
+    the nodes outside the layers choose again, every other copy's strategies and recompute fixed
+    to it; ``solution`` itself when no plan is faster. ``problem``'s blocks are left pooled as
+    the returned plan's decisions are."""
+    last: dict = {}
+    for n, r in rep.items():
+        last[r] = max(last.get(r, 0), n.meta[LAYER_KEY][1])
+    pooled = {n: r for n, r in rep.items() if n.meta[LAYER_KEY][1] != last[r]}
+    problem.block = dict(own_blocks)
+    pool_blocks(problem, pooled)
+    small, small_mm, expand = share(fixed(problem, solution.choice, pooled), mm, pooled)
+    small_mm.decided = {v: v in solution.recompute for v in pooled.values()}
+    # The shared plan is one of this problem's; only a plan faster by more than the solve's gap
+    # (0.1%: within it, plans differ in ties, e.g. which dim a weight is stored on) will do.
+    bar = solution.objective * (1 - 1e-3)
+    start = time.perf_counter()
+    try:
+        better = solve(small, cluster, small_mm, time_limit=time_limit, cutoff=min(bar, cutoff or math.inf))
+    except (CutoffError, InfeasibleError, SolverError):   # none faster (or none within time_limit)
+        better = None
+    solution.solve_time += time.perf_counter() - start
+    if better is None or better.objective >= bar:
+        problem.block = dict(own_blocks)
+        pool_blocks(problem, rep)
+        return solution
+    better.choice, better.recompute = expand(better.choice, better.recompute)
+    better.memory = predicted_memory(mm, better.choice, better.recompute)
+    better.shared_nodes, better.solve_time = solution.shared_nodes, solution.solve_time
+    # neither bound holds for the exact problem (both problems restrict it); a shared solve
+    # stopped at the time limit stays reported so
+    better.bound = min(better.bound, solution.bound)
+    if solution.status != "optimal":
+        better.status = solution.status
+    return better
 
 
 def _gib(nbytes: float) -> str:

@@ -50,7 +50,7 @@ each).
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -317,6 +317,16 @@ def pool_blocks(problem: Problem, rep: dict[fx.Node, fx.Node]) -> None:
         if e.overlap:
             anchor = e.src if e.kind == "grad" else e.dst
             e.block = problem.block.get(anchor)
+
+
+def fixed(problem: Problem, choice: dict, nodes) -> Problem:
+    """``problem`` with each of ``nodes`` (and a parameter's storage with it) held to its
+    strategy in ``choice``."""
+    held = set(nodes)
+    held |= {problem.storage[p] for p in nodes if p in problem.storage}
+    allowed = {v: [choice[v]] if v in held else ss for v, ss in problem.allowed.items()}
+    ties = [[(v, tuple(s for s in ss if s in allowed[v])) for v, ss in tie] for tie in problem.ties]
+    return replace(problem, allowed=allowed, ties=ties)
 
 
 def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):

@@ -152,6 +152,7 @@ class MemoryModel:
     reduce_in_backward: bool = True  # one micro-batch: backward reduces each block's gradients itself
     last_bucket: set = field(default_factory=set)  # grad edges reduced after the last layer's backward
     uses: list = field(default_factory=list)   # a parameter's (or its view's) edges into its consumers
+    decided: dict = field(default_factory=dict)  # node -> whether to recompute it, held fixed (api: last layer apart)
 
     @property
     def candidates(self) -> list[fx.Node]:

@@ -105,12 +105,10 @@ def test_sharing_matches_the_exact_optimum(small_gpt, layers, fraction):
     # the exact problem's optimum is no slower than the shared one's; each plan is proven within
     # the solve's default gap (0.1%) of its problem's optimum
     assert exact.step_time <= shared.step_time * (1 + 1e-3)
-    # At 0.7 the exact plan decides the last layer, where backward starts at the memory peak,
-    # unlike the others, which the shared one cannot (letting each layer choose its own storage
-    # alone does not close it): 1.09% with two layers since the memory model counts a block's
-    # gathered parameters (3 copies: solver/memory.py), 0.04% before; 0.64% with three. Deciding
-    # the last copy apart closes it, at several times the solve time (README: planning time).
-    assert shared.step_time <= exact.step_time * (1.015 if (layers, fraction) == (2, 0.7) else 1.01)
+    # Whole-layer steps are coarsest in a short stack: at 0.7 with two layers the shared problem
+    # alone is 1.09% slower (the exact plan shards the last layer's MLP otherwise); deciding the
+    # last layer apart (api.LAST_LAYER_APART) brings it to 0.14%.
+    assert shared.step_time <= exact.step_time * 1.01
     assert shared.peak_memory <= (cap or cluster.memory_limit) * (1 + 1e-9)
 
 
