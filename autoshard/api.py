@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 import time
 import warnings
 
@@ -167,8 +168,9 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
     try:
         with progress.stage("solving"):
             solution = run(limit)
-        copies = 1 + max((n.meta[LAYER_KEY][1] for n in rep), default=0)
-        if 1 < copies <= LAST_LAYER_APART:
+        # the layers: the copies most classes have (a class of two nodes per layer has twice as many)
+        copies = Counter(Counter(rep.values()).values()).most_common(1)[0][0] if rep else 1
+        if 1 < copies <= LAST_LAYER_APART and solution.status == "optimal":
             with progress.stage("deciding the last layer apart"):
                 solution = _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limit, cutoff)
         if solution.status != "optimal":
@@ -208,7 +210,8 @@ def _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limi
     """``solution`` (of the problem shared by ``rep``) improved by letting the last layer copy and
     the nodes outside the layers choose again, every other copy's strategies and recompute fixed
     to it; ``solution`` itself when no plan is faster. ``problem``'s blocks are left pooled as
-    the returned plan's decisions are."""
+    the returned plan's decisions are. A ``cutoff`` prunes the shared solve before this step, so
+    a mesh or baseline whose shared plan is slower than it is not refined (autoshard.meshes)."""
     last: dict = {}
     for n, r in rep.items():
         last[r] = max(last.get(r, 0), n.meta[LAYER_KEY][1])
@@ -222,7 +225,8 @@ def _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limi
     bar = solution.objective * (1 - 1e-3)
     start = time.perf_counter()
     try:
-        better = solve(small, cluster, small_mm, time_limit=time_limit, cutoff=min(bar, cutoff or math.inf))
+        better = solve(small, cluster, small_mm, time_limit=max(1.0, time_limit - solution.solve_time),
+                       cutoff=min(bar, cutoff or math.inf))
     except (CutoffError, InfeasibleError, SolverError):   # none faster (or none within time_limit)
         better = None
     solution.solve_time += time.perf_counter() - start
@@ -233,11 +237,9 @@ def _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limi
     better.choice, better.recompute = expand(better.choice, better.recompute)
     better.memory = predicted_memory(mm, better.choice, better.recompute)
     better.shared_nodes, better.solve_time = solution.shared_nodes, solution.solve_time
-    # neither bound holds for the exact problem (both problems restrict it); a shared solve
-    # stopped at the time limit stays reported so
+    # Plan.solver reports this solve's problem size; as bound the lower of the two solves' (each
+    # bounds its own restriction of the exact problem, neither the exact problem itself)
     better.bound = min(better.bound, solution.bound)
-    if solution.status != "optimal":
-        better.status = solution.status
     return better
 
 

@@ -57,8 +57,9 @@ unlike the others (backward starts with the last layer at the peak), and a share
 copies at once. That step is coarsest in a short stack: a 2-layer GPT at 0.7 of its free peak
 came out 1.09% slower than the exact plan (the exact one shards the last layer's MLP otherwise).
 So a stack of at most ``api.LAST_LAYER_APART`` layers has its last layer decided again after
-the shared solve, everything else held (0.14% there); deeper stacks gain at most 0.2% from it
-(Llama-3-8B shapes, 8-80 layers, on 8x8 H100s) for 2-9 s more solving, and skip it.
+the shared solve, everything else held (leaving that GPT 0.14% off). Deeper stacks gained at
+most 0.17% from it (Llama-3-8B shapes, 8-80 layers, on 8x8 H100s) for 2-9 s more solving, and
+skip it.
 
 Example::
 

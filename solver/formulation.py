@@ -323,7 +323,7 @@ def fixed(problem: Problem, choice: dict, nodes) -> Problem:
     """``problem`` with each of ``nodes`` (and a parameter's storage with it) held to its
     strategy in ``choice``."""
     held = set(nodes)
-    held |= {problem.storage[p] for p in nodes if p in problem.storage}
+    held |= {problem.storage[p] for p in list(held) if p in problem.storage}
     allowed = {v: [choice[v]] if v in held else ss for v, ss in problem.allowed.items()}
     ties = [[(v, tuple(s for s in ss if s in allowed[v])) for v, ss in tie] for tie in problem.ties]
     return replace(problem, allowed=allowed, ties=ties)

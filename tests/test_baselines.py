@@ -13,6 +13,7 @@ from autoshard.baselines import BASELINES, allow_for, compare, logical_meshes, p
 from autoshard.cluster import H100, IB_NDR, NVLINK4
 from autoshard.errors import InfeasibleError
 from autoshard.meshes import candidates
+from autoshard.solver.formulation import Storage
 from autoshard.zoo import MLP
 
 pytestmark = pytest.mark.filterwarnings("ignore:autoshard.*planned replicated")
@@ -86,9 +87,15 @@ def test_compare_names_and_free_plan_no_slower(small):
         # recompute saves less than the same strategies without it (the two baselines' plans may
         # differ in strategies, and so in what a saved value weighs)
         picked = {n.name: n.strategy for n in full.nodes}
+        stored = {node.name: "->" + full.storage[name] for name, node in traced.params}
+
+        def pinned(node, s) -> bool:   # a Storage is named after its parameter's node
+            want = stored[node.name] if isinstance(node, Storage) else picked.get(node.name)
+            return want is None or str(s) == want
         same = autoshard.plan(traced, cluster.with_mesh(full.mesh_shape, full.mesh_dim_names), recompute=False,
-                              allow=lambda node, s: str(s) == picked.get(node.name, str(s)), time_limit=60)
+                              allow=pinned, time_limit=60)
         assert [n.strategy for n in same.nodes] == [n.strategy for n in full.nodes]
+        assert same.storage == full.storage
         assert full.memory["activations"] < same.memory["activations"]
 
 
