@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 import time
+from collections import Counter
 import warnings
 
 import torch
@@ -152,8 +152,7 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         mm.recompute_all = recompute == "full"
         rep = {n: r for n, r in layers.items()
                if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
-        own_blocks = dict(problem.block)
-        pool_blocks(problem, rep)
+        pool_blocks(problem, rep, mm.block)   # the memory model keeps each node's own block
         small, small_mm, expand = share(problem, mm, rep)
     shared_nodes = (len(problem.nodes), len(small.nodes))
 
@@ -172,7 +171,7 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         copies = Counter(Counter(rep.values()).values()).most_common(1)[0][0] if rep else 1
         if 1 < copies <= LAST_LAYER_APART and solution.status == "optimal":
             with progress.stage("deciding the last layer apart"):
-                solution = _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limit, cutoff)
+                solution = _last_layer_apart(problem, mm, rep, solution, cluster, time_limit, cutoff)
         if solution.status != "optimal":
             warnings.warn(f"autoshard: the solver stopped at time_limit={time_limit:g}s with a plan within "
                           f"{solution.gap:.1%} of the best possible; raise time_limit for one proven within 0.1%",
@@ -206,7 +205,7 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
 LAST_LAYER_APART = 4
 
 
-def _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limit, cutoff):
+def _last_layer_apart(problem, mm, rep, solution, cluster, time_limit, cutoff):
     """``solution`` (of the problem shared by ``rep``) improved by letting the last layer copy and
     the nodes outside the layers choose again, every other copy's strategies and recompute fixed
     to it; ``solution`` itself when no plan is faster. ``problem``'s blocks are left pooled as
@@ -216,8 +215,7 @@ def _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limi
     for n, r in rep.items():
         last[r] = max(last.get(r, 0), n.meta[LAYER_KEY][1])
     pooled = {n: r for n, r in rep.items() if n.meta[LAYER_KEY][1] != last[r]}
-    problem.block = dict(own_blocks)
-    pool_blocks(problem, pooled)
+    pool_blocks(problem, pooled, mm.block)
     small, small_mm, expand = share(fixed(problem, solution.choice, pooled), mm, pooled)
     small_mm.decided = {v: v in solution.recompute for v in pooled.values()}
     # The shared plan is one of this problem's; only a plan faster by more than the solve's gap
@@ -231,8 +229,7 @@ def _last_layer_apart(problem, mm, rep, own_blocks, solution, cluster, time_limi
         better = None
     solution.solve_time += time.perf_counter() - start
     if better is None or better.objective >= bar:
-        problem.block = dict(own_blocks)
-        pool_blocks(problem, rep)
+        pool_blocks(problem, rep, mm.block)
         return solution
     better.choice, better.recompute = expand(better.choice, better.recompute)
     better.memory = predicted_memory(mm, better.choice, better.recompute)

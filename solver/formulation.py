@@ -306,13 +306,15 @@ def _token_local_ties(problem: Problem, ndim: int) -> list:
     return ties
 
 
-def pool_blocks(problem: Problem, rep: dict[fx.Node, fx.Node]) -> None:
-    """Give each class member its representative's block, so the overlap rows of shared layers
-    pool every copy's comm and compute (as :func:`share` sums them); copies that choose alike
-    hide the same, so this changes nothing but boundary effects between unlike neighbours."""
+def pool_blocks(problem: Problem, rep: dict[fx.Node, fx.Node], blocks: dict) -> None:
+    """Give each class member its representative's block (``blocks``: each node's own, as
+    formulated), so the overlap rows of shared layers pool every copy's comm and compute (as
+    :func:`share` sums them); copies that choose alike hide the same, so this changes nothing
+    but boundary effects between unlike neighbours."""
+    problem.block = dict(blocks)
     for v in problem.nodes:
         if v in rep:
-            problem.block[v] = problem.block.get(rep[v])  # copy 0's (coarsen.repeated_layers)
+            problem.block[v] = blocks.get(rep[v])  # copy 0's (coarsen.repeated_layers)
     for e in problem.edges:
         if e.overlap:
             anchor = e.src if e.kind == "grad" else e.dst
