@@ -32,6 +32,7 @@ from torch.distributed.tensor._op_schema import (  # noqa: F401
     TupleStrategy,
 )
 from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: F401
+    _expand_single_dim_strategy_to_mesh as expand_single_dim_strategy,
     _ShardingPlaceholder as ShardingPlaceholder,
     register_single_dim_strategy,
 )
@@ -42,7 +43,8 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_map_only  # noqa: F4
 __all__ = [
     "aot_export_joint_with_descriptors", "default_partition", "FakeTensorMode", "DTensorSpec",
     "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "TupleStrategy", "RuntimeSchemaInfo",
-    "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "sharding_propagator",
+    "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "expand_single_dim_strategy",
+    "sharding_propagator",
     "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
     "tree_leaves", "tree_map", "tree_map_only", "default_group_options", "is_all_gather",
     "all_gather_key", "merge_all_gathers", "unpriced_strategies",
@@ -110,11 +112,43 @@ def is_data_dependent_error(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def joint_export(model: torch.nn.Module, args: tuple[Any, ...]):
+def joint_export(model: torch.nn.Module, args: tuple[Any, ...], user_frame: Callable[[], str | None]):
     """Joint fwd+bwd export with parameter/gradient descriptors (the ExitStack keeps the
-    export's contexts alive while the caller reads the graph)."""
+    export's contexts alive while the caller reads the graph).
+
+    The model runs as under ``torch.compile``/``torch.export`` (``torch.compiler.is_compiling()``
+    is true), so libraries take their traceable paths: transformers' mask helpers, for one, skip
+    their checks of mask and position values. Each forward node's ``meta["stack_trace"]`` is the
+    model line ``user_frame()`` names at the torch call that made it (AOTAutograd records none)."""
+    from torch.compiler import _compile_session_context
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_compile_session_context())
+        stack.enter_context(_SourceLines(user_frame))
         yield aot_export_joint_with_descriptors(stack, model, args)
+
+
+class _SourceLines(torch.overrides.TorchFunctionMode):
+    """Names the model line of every torch call in the graph nodes it makes: AOTAutograd keeps
+    fx's current node meta (``preserve_node_meta``) while tracing, and copies its stack trace."""
+
+    def __init__(self, user_frame: Callable[[], str | None]):
+        super().__init__()
+        self.user_frame = user_frame
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.fx import traceback as fx_traceback
+
+        where = self.user_frame()
+        if where is None or not fx_traceback.has_preserved_node_meta():
+            return func(*args, **(kwargs or {}))
+        meta = fx_traceback.get_current_meta()
+        before = meta.get("stack_trace")
+        fx_traceback.set_stack_trace([where])
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            fx_traceback.set_stack_trace([before] if before else [])
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -18,6 +19,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import (ClusterError, ConstraintError, CutoffError, InfeasibleError, PlanMismatchError,
                               SolverError, TraceError)
 from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
+from autoshard.passes.coverage import coverage_gaps, report_gaps
 from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
 from autoshard.passes.regions import untied
 from autoshard.passes.bucket import bucket_gathers, gradient_buckets, reduce_gradients
@@ -74,7 +76,8 @@ def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mi
     mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
     with progress.stage("strategies"):
         fallbacks = find_strategies(traced.gm, mesh, strict=strict, memo=traced.strategy_memo)
-    return traced, fallbacks
+        gaps = report_gaps(coverage_gaps(traced.gm), strict=strict)
+    return traced, fallbacks, gaps
 
 
 def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | None = None,
@@ -119,13 +122,13 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
                                  followers=followers, cutoff=cutoff)
     t0 = time.perf_counter()
     progress = Progress(progress)
-    traced, fallbacks = _prepare(model, cluster, example_inputs, strict, mixed_precision, progress)
+    traced, fallbacks, gaps = _prepare(model, cluster, example_inputs, strict, mixed_precision, progress)
     t1 = time.perf_counter()
     problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
                                       share_layers, allow, **_accumulation(grad_accumulation),
                                       followers=followers, progress=progress, cutoff=cutoff)
     t2 = time.perf_counter()
-    result = _make_plan(traced, cluster, problem, solution, fallbacks, limit)
+    result = _make_plan(traced, cluster, problem, solution, fallbacks, gaps, limit)
     result.stats = {"trace_s": traced.trace_time if model is not traced else 0.0,
                     "strategies_s": t1 - t0 - (traced.trace_time if model is not traced else 0.0),
                     "formulate_s": t2 - t1 - solution.solve_time, "solve_s": solution.solve_time,
@@ -244,7 +247,7 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Plan:
+def _make_plan(traced, cluster, problem, solution, fallbacks, gaps=(), limit=None) -> Plan:
     choice = {n: n.meta[META_KEY].strategies[s] for n, s in solution.choice.items()}
     comm: dict[str, list[dict]] = {}
     edges, hideable = [], {}
@@ -308,6 +311,7 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, limit=None) -> Pla
         inputs=[_pl(choice[node].outputs[0]) for node in traced.inputs],
         step_time=step, compute_time=compute, comm_time=comm_time,
         peak_memory=peak, memory=memory, fallbacks=[tuple(f) for f in fallbacks],
+        gaps=[dataclasses.asdict(g) for g in gaps],
         solver={"status": solution.status, "objective": solution.objective, "bound": solution.bound,
                 "gap": solution.gap, "backend": solution.backend,
                 "variables": solution.num_variables, "constraints": solution.num_constraints},
@@ -409,7 +413,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         cluster = cluster.with_mesh(tuple(plan.mesh_shape), tuple(plan.mesh_dim_names))
     if grad_accumulation is None:
         grad_accumulation = getattr(plan, "grad_accumulation", 1) if plan is not None else 1
-    traced, fallbacks = _prepare(model, cluster, example_inputs, strict, mixed_precision)
+    traced, fallbacks, gaps = _prepare(model, cluster, example_inputs, strict, mixed_precision)
     if plan is None:
         # Rank 0 plans and everyone runs its plan: ranks must never disagree on a tie.
         box = [None]
@@ -418,7 +422,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
                 problem, solution, limit = _solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
                                                   share_layers, allow, **_accumulation(grad_accumulation),
                                                   followers=followers)
-                box = [_make_plan(traced, cluster, problem, solution, fallbacks, limit).to_json()]
+                box = [_make_plan(traced, cluster, problem, solution, fallbacks, gaps, limit).to_json()]
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
                 box = [exc]
         dist.broadcast_object_list(box, src=0)

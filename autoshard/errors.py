@@ -17,6 +17,11 @@ class NoShardingRuleError(AutoshardError):
     planned replicated and listed in ``plan.fallbacks``)."""
 
 
+class CoverageGapError(NoShardingRuleError):
+    """Some op's strategies all replicate an input its producer can shard (raised under
+    ``strict=True``; otherwise the plan lists it in ``plan.gaps`` and a warning names it)."""
+
+
 class ClusterError(AutoshardError, ValueError):
     """The cluster description is invalid or does not match the process group."""
 

@@ -85,6 +85,9 @@ class Plan:
     mfu: float | None = None                                   # model FLOPs / (step time * peak), 0..1
     breakdown: dict = field(default_factory=dict)              # seconds: compute, exposed comm, recompute
     grad_accumulation: int = 1     # micro-batches per optimizer step the plan was priced for
+    # nodes whose every strategy replicates an input that could arrive sharded (passes/coverage.py):
+    # {"node", "op", "input", "reason", "source"}
+    gaps: list[dict] = field(default_factory=list)
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:
@@ -300,6 +303,9 @@ def _check_doc(d: dict) -> None:
                 "needs kind, mesh_dim, bytes and time")
             _need(0 <= c["mesh_dim"] < ndim, f"{where}.comm[{j}]", f"has mesh_dim {c['mesh_dim']} on a {ndim}-D mesh")
     _need(all(isinstance(f, list) and len(f) == 2 for f in d["fallbacks"]), "fallbacks", "must be [node, reason] pairs")
+    _need(isinstance(d.get("gaps", []), list) and all(
+        isinstance(g, dict) and all(isinstance(g.get(k), str) for k in ("node", "op", "input", "reason", "source"))
+        for g in d.get("gaps", [])), "gaps", "must be objects with node, op, input, reason and source strings")
     _need(isinstance(d.get("edges", []), list) and all(
         isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in d.get("edges", [])),
         "edges", "must be [producer, consumer] name pairs")

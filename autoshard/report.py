@@ -260,6 +260,8 @@ def summary_text(plan, max_rows: int | None = 40, width: int = 160) -> str:
     console.print(memory_table(plan))
     if plan.fallbacks:
         console.print(escape("replicated for lack of a rule: " + "; ".join(f"{n} ({r})" for n, r in plan.fallbacks)))
+    if plan.gaps:
+        console.print(gaps_table(plan))
     return console.export_text()
 
 
@@ -350,3 +352,17 @@ def diff_text(d, max_rows: int = 100, width: int = 160) -> str:
 
 # The graph, DOT and HTML renderings (imported last: they build on the helpers above).
 from autoshard.report_html import memory_timeline, to_dot, to_html  # noqa: E402,F401
+
+
+def gaps_table(plan):
+    """The nodes whose strategies replicate an input that could stay sharded (passes/coverage.py)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"Coverage gaps: {len(plan.gaps)} node(s) gather an input their rule will not take sharded",
+                  title_justify="left")
+    for col in ("node", "op", "input", "model line"):
+        table.add_column(col)
+    for g in plan.gaps:
+        table.add_row(escape(g["node"]), escape(g["op"]), escape(g["input"]), escape(g["source"] or "-"))
+    return table

@@ -325,6 +325,12 @@ def to_html(plan, max_rows: int | None = 200) -> str:
     if plan.fallbacks:
         parts += ["<h2>Replicated for lack of a rule</h2>",
                   _html_table(["node", "reason"], [list(f) for f in plan.fallbacks])]
+    if plan.gaps:
+        parts += ["<h2>Coverage gaps</h2>",
+                  "<p>Every strategy of these nodes replicates an input that could arrive sharded: the plan "
+                  "gathers it on every rank.</p>",
+                  _html_table(["node", "op", "input", "reason", "model line"],
+                              [[g["node"], g["op"], g["input"], g["reason"], g["source"]] for g in plan.gaps])]
     parts += ["<h2>Solver</h2>", _html_table(["key", "value"], [[k, str(v)] for k, v in plan.solver.items()]),
               "</body></html>"]
     return "\n".join(p for p in parts if p) + "\n"

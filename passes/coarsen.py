@@ -114,14 +114,22 @@ def mark_followers(traced) -> dict[fx.Node, int]:
     return out
 
 
+def _from_input(a: fx.Node) -> bool:
+    """Whether ``a`` is a graph input, or views of one."""
+    while a.op == "call_function" and is_free(a) and tensor_inputs(a):
+        a = tensor_inputs(a)[0]
+    return a.op == "placeholder"
+
+
 def _token(node: fx.Node, signatures: dict) -> tuple:
     def shape(v):
         return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
 
     val = node.meta.get("val")
     outs = tuple(shape(v) for v in (val if isinstance(val, (tuple, list)) else (val,)))
-    # nodes (also inside lists, e.g. cat's) by shape: their names differ from layer to layer
-    args = repr(args_key((node.args, node.kwargs), lambda a: shape(a.meta.get("val"))))
+    # nodes (also inside lists, e.g. cat's) by shape, and whether they are graph inputs (a weight,
+    # maybe through views) or computed: their names differ from layer to layer, their kind does not
+    args = repr(args_key((node.args, node.kwargs), lambda a: (shape(a.meta.get("val")), _from_input(a))))
     strategies = node.meta[META_KEY].strategies
     if id(strategies) not in signatures:  # lists are shared between identical nodes
         signatures[id(strategies)] = (strategies, hash(tuple(s.text for s in strategies)))

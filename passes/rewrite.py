@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autoshard import _torch, costmodel
 from autoshard.passes.annotate import feeds_only_grads, phases
 from autoshard.passes.regions import runs_locally
+from autoshard.passes.rules import conv
 from autoshard.passes.strategies import META_KEY, Strategy, tensor_inputs
 
 ORIGIN = "autoshard.node"   # meta["custom"] key: the joint-graph node a local node implements
@@ -99,11 +100,12 @@ _SIZED = {torch.ops.aten.new_zeros.default: 1, torch.ops.aten.new_empty.default:
 
 
 def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
-    """A token-local region's op (passes/regions.py) on this rank's own tokens: inputs moved to the
-    planned placements and taken local, the op run as on a smaller batch (sizes made local), and
+    """A token-local region's op (passes/regions.py) on this rank's own tokens, or a convolution
+    (passes/rules/conv.py) on its local shards: inputs moved to the planned placements and taken
+    local, the op run as on a smaller batch or fewer channels (sizes and groups made local), and
     the outputs wrapped as the planned placements of the whole tensors."""
     inputs = iter(strategy.inputs)
-    arg = lambda a: _to_placements(env[a], next(inputs), reduce_dtype).to_local()  # noqa: E731
+    arg = lambda a: env[a] if a.op == "get_attr" else _to_placements(env[a], next(inputs), reduce_dtype).to_local()  # noqa: E731
     args = _torch.tree_map_only(fx.Node, arg, node.args)
     kwargs = _torch.tree_map_only(fx.Node, arg, node.kwargs)
     vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
@@ -115,6 +117,8 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
     elif node.target in _SIZED:
         i = _SIZED[node.target]
         args = (*args[:i], list(local[0]), *args[i + 1:])
+    elif node.target in conv.LOCAL:
+        args = conv.LOCAL[node.target](node, args)
     out = node.target(*args, **kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     wrapped = tuple(t if p is None else DTensor.from_local(t, mesh, p, run_check=False, shape=v.shape, stride=v.stride())
@@ -123,17 +127,19 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
 
 
 def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
-    if runs_locally(node, strategy):
+    if runs_locally(node, strategy) or node.target in conv.LOCAL:
         return _run_local(node, env, strategy, mesh, reduce_dtype)
     inputs = iter(strategy.inputs)
 
     def arg(a):
         if not isinstance(a, fx.Node):
             return a
+        if a.op == "get_attr":   # a constant of the graph: every rank holds it whole
+            return env[a]
         return _to_placements(env[a], next(inputs), reduce_dtype)
 
-    args = _torch.tree_map_only(fx.Node, arg, node.args) if tensor_inputs(node) else node.args
-    kwargs = _torch.tree_map_only(fx.Node, arg, node.kwargs) if tensor_inputs(node) else node.kwargs
+    args = _torch.tree_map_only(fx.Node, arg, node.args)
+    kwargs = _torch.tree_map_only(fx.Node, arg, node.kwargs)
     if not tensor_inputs(node):  # factory: every rank builds the whole (replicated) tensor
         if "device" in kwargs:  # traced on CPU fakes; build on the mesh's device
             kwargs = {**kwargs, "device": _mesh_device(mesh)}
@@ -186,6 +192,8 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
         for node, t in zip(primal_nodes, primals):
             val = node.meta["val"]
             env[node] = DTensor.from_local(t, mesh, storage[node], run_check=False, shape=val.shape, stride=val.stride())
+        for node in gm.graph.find_nodes(op="get_attr"):
+            env[node] = getattr(gm, node.target)
         outs = [None] * len(traced.outputs)
         for node in gm.graph.nodes:
             if node.op != "call_function":

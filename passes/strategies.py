@@ -7,11 +7,15 @@ is what DTensor runs), plus autoshard's rules for ops torch lacks (``passes/rule
 
 * ops with a single-dim rule: the rule's placements per mesh dim, expanded over the mesh as their
   Cartesian product (the all-Replicate rule is implied);
-* ops with an op-strategy function: called with each input's candidate placements;
+* ops with an op-strategy function (written to *propagate*: several follow one input, ``stack``
+  and ``cat`` merge theirs): asked once per combination of input placements, every placement each
+  input can have (not only what its producer outputs), the answers united, so no rule narrows
+  the set (:func:`_from_op_strategy_all`; docs/design.md; tests/test_coverage.py holds it against
+  brute force);
 * ops with no tensor input (factories): Replicate;
 * anything else: Replicate, reported in the result's ``fallback`` (``strict`` raises).
 
-Only even sharding is kept (every sharded dim divides by its shard count), and no strided shards
+Dim arguments are made non-negative before any rule sees them (:func:`normalized_args`). Only even sharding is kept (every sharded dim divides by its shard count), and no strided shards
 or masked partials (vocab-parallel embedding), so local shapes, costs and numerics are exact. Facts go to ``node.meta["autoshard.strategies"]``.
 
 Example::
@@ -74,12 +78,15 @@ def placement_str(p: Placement) -> str:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """A node's tensor arguments in DTensor's order (args, then kwargs), duplicates kept."""
+    """A node's tensor arguments in DTensor's order (args, then kwargs), duplicates kept. Constants
+    the graph holds (``get_attr``: a tensor built in forward, the same on every rank) are not
+    among them: like a Python number, each rank has its own whole copy."""
     out: list[fx.Node] = []
 
     def walk(a) -> None:
         if isinstance(a, fx.Node):
-            out.append(a)
+            if a.op != "get_attr":
+                out.append(a)
         elif isinstance(a, (tuple, list)):
             for x in a:
                 walk(x)
@@ -193,9 +200,52 @@ def _keep(node: fx.Node, outs, ins, mesh_shape) -> bool:
     return True
 
 
-def _from_single_dim(node, info, mesh) -> list[Strategy]:
-    args = _torch.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), node.args)
-    kwargs = _torch.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), node.kwargs)
+# dim-valued arguments, by name in the op's schema, that DTensor's rules read; a negative one is
+# made non-negative before any rule sees it (some rules index shapes with it unchecked)
+_DIM_ARGS = frozenset({"dim", "dims", "dim0", "dim1", "dim2", "start_dim", "end_dim", "source", "destination"})
+# ops whose dim counts in the output's rank (the op inserts a dim), not the first input's
+_DIM_OF_OUTPUT = frozenset({"aten::stack", "aten::unsqueeze", "aten::select_backward", "aten::diag_embed"})
+
+
+def normalized_args(node: fx.Node) -> tuple[tuple, dict]:
+    """``node``'s args and kwargs with every dim argument non-negative (schema-driven)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.args, node.kwargs
+    if schema.name in _DIM_OF_OUTPUT:
+        rank = len(_tensor_vals(node.meta["val"])[0].shape)
+    else:
+        ins = tensor_inputs(node)
+        rank = ins[0].meta["val"].ndim if ins else 0
+
+    def norm(v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v + rank if v < 0 and rank > 0 else v
+        if isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return type(v)(norm(x) for x in v)
+        return v
+
+    names = [a.name for a in schema.arguments]
+    args = tuple(norm(v) if i < len(names) and names[i] in _DIM_ARGS else v for i, v in enumerate(node.args))
+    kwargs = {k: norm(v) if k in _DIM_ARGS else v for k, v in node.kwargs.items()}
+    return args, kwargs
+
+
+def placement_options(val, mesh_shape, partial: bool = True) -> list[Placements]:
+    """Every placement a tensor like ``val`` can have on the mesh, evenly: per mesh dim Replicate,
+    Shard of each dim and (``partial``, floating tensors) a sum Partial."""
+    per_dim: list[Placement] = [Replicate()] + [Shard(d) for d in range(val.ndim)]
+    if partial and (val.is_floating_point() or val.is_complex()):
+        per_dim.append(Partial())
+    return [p for p in itertools.product(per_dim, repeat=len(mesh_shape)) if _even(p, val.shape, mesh_shape)]
+
+
+def _from_single_dim(node, info, mesh) -> list:
+    """A single-dim rule's strategies on one mesh dim, expanded over the mesh as their Cartesian
+    product: complete by construction (the rule reads shapes, never input placements)."""
+    args, kwargs = normalized_args(node)
+    args = _torch.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), args)
+    kwargs = _torch.tree_map_only(fx.Node, lambda a: _meta(a.meta["val"]), kwargs)
     rules = info.func(node.target, args, kwargs)
     n_in = len(tensor_inputs(node))
     n_out = len(rules[0]) - n_in if rules else len([v for v in _tensor_vals(node.meta["val"])])
@@ -213,34 +263,60 @@ def _from_single_dim(node, info, mesh) -> list[Strategy]:
     return result
 
 
-def _from_op_strategy_each(node, func, mesh, schema_info) -> list:
-    """Rules written for run time expect one placement per input and may raise on some
-    combinations (a view that cannot unflatten a shard); ask them once per combination."""
+def _input_combos(inputs: list[fx.Node], options: dict) -> list[dict]:
+    """The input placements to ask a propagating rule about, one combination per call: each input
+    in each of its placements, the others replicated, and (for rules that want every operand
+    placed alike: cat, stack, follow rules) the others in that same placement where they can be.
+    Checked against every combination, one call each, in tests/test_coverage.py."""
+    rep = tuple([Replicate()] * len(next(iter(options.values()))[0])) if options else ()
+    combos: dict[tuple, None] = {}
+    for a in inputs:
+        for p in options[a]:
+            combos.setdefault(tuple(p if b is a else rep for b in inputs))
+            combos.setdefault(tuple(p if b is a or p in options[b] else rep for b in inputs))
+    return [dict(zip(inputs, c)) for c in combos]
+
+
+def _from_op_strategy_all(node, func, mesh, schema_info, mesh_shape) -> list:
+    """A propagating rule (DTensor's op-strategy functions answer for the input strategies they are
+    given, and several follow one input or merge them) asked so that it cannot narrow the set:
+    per combination of input placements, the answers united. A rule whose answer is the same for
+    every input offered and for replicated inputs, and shards something, expands to the whole
+    mesh by itself (mm, sdpa): its one answer is complete."""
     inputs = list(dict.fromkeys(tensor_inputs(node)))
-    combos = list(itertools.product(*[output_options(a) for a in inputs]))
-    if len(combos) > 512:
-        raise RuntimeError(f"{len(combos)} input placement combinations")
-    result = []
-    for combo in combos:
-        fixed = dict(zip(inputs, combo))
+    options = {a: placement_options(a.meta["val"], mesh_shape) for a in inputs}
+    rep = tuple([Replicate()] * mesh.ndim)
+
+    def ask(choose) -> list | None:
         try:
-            result += _from_op_strategy(node, func, mesh, schema_info, lambda a: [fixed[a]])
-        except Exception:  # noqa: BLE001 - this combination is not supported by the rule
-            continue
+            return _from_op_strategy(node, func, mesh, schema_info, choose)
+        except Exception:  # noqa: BLE001 - a rule that rejects this combination
+            return None
+
+    everything = ask(lambda a: options[a])
+    if everything is not None:
+        replicated = ask(lambda a: [rep])
+        if replicated is not None and set(everything) == set(replicated) and \
+                any(p != rep for _, ins in everything for p in ins if p is not None):
+            return everything
+    result = list(everything or [])
+    for combo in _input_combos(inputs, options):
+        result += ask(lambda a: [combo[a]]) or []
     if not result:
         raise RuntimeError("no input placement combination is supported")
     return result
 
 
-def _from_op_strategy(node, func, mesh, schema_info, options=output_options) -> list:
+def _from_op_strategy(node, func, mesh, schema_info, options) -> list:
     def to_strategy(a: fx.Node):
         tm = _meta(a.meta["val"])
         return _torch.OpStrategy([_torch.OpSpec(_torch.DTensorSpec(mesh, p, tm)) for p in options(a)])
 
-    args = _torch.tree_map_only(fx.Node, to_strategy, node.args)
+    args, kwargs = normalized_args(node)
+    args = _torch.tree_map_only(fx.Node, to_strategy, args)
     args = tuple(_torch.TupleStrategy(list(a)) if isinstance(a, (list, tuple)) and a and
                  all(isinstance(x, _torch.OpStrategy) for x in a) else a for a in args)
-    kwargs = _torch.tree_map_only(fx.Node, to_strategy, node.kwargs)
+    kwargs = _torch.tree_map_only(fx.Node, to_strategy, kwargs)
     out = func(_torch.OpSchema(node.target, args, kwargs, schema_info=schema_info))
     if isinstance(out, _torch.TupleStrategy):
         raise NotImplementedError(f"tuple strategies for {node.target}")
@@ -288,11 +364,8 @@ def _enumerate(node: fx.Node, mesh) -> tuple[list, str | None]:
         if op in prop.op_single_dim_strategy_funcs:
             return _from_single_dim(node, prop.op_single_dim_strategy_funcs[op], mesh), None
         if op in prop.op_strategy_funcs:
-            func, info = prop.op_strategy_funcs[op], prop.op_to_schema_info.get(op)
-            try:
-                return _from_op_strategy(node, func, mesh, info), None
-            except Exception:  # noqa: BLE001 - retried per input combination below
-                return _from_op_strategy_each(node, func, mesh, info), None
+            return _from_op_strategy_all(node, prop.op_strategy_funcs[op], mesh, prop.op_to_schema_info.get(op),
+                                         tuple(mesh.shape)), None
         reason = f"{op} has no sharding rule"
     except Exception as exc:  # noqa: BLE001 - a rule that fails on these shapes is reported, not hidden
         reason = f"{op}'s sharding rule failed on these shapes: {type(exc).__name__}: {exc}"
@@ -301,31 +374,21 @@ def _enumerate(node: fx.Node, mesh) -> tuple[list, str | None]:
     return [(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)))], reason
 
 
-class _CacheKeys:
-    """One enumeration per distinct (op, argument shapes and values, input options): the key of a
-    node. An input's options enter as a small int, interned once per producer strategy list
-    (repeated layers share theirs): Placement hashes in Python, and keying by the placements
-    themselves hashed each node's inputs' options again (a third of enumerating a deep model)."""
+def _cache_key(node: fx.Node):
+    """One enumeration per distinct (op, argument shapes and values): every rule is asked about
+    every placement of each input (not the producer's), so nothing else enters. Which inputs are
+    the same node does (``mul(x, x)`` is not ``mul(x, y)``); None when an argument is unhashable."""
+    seen: dict[fx.Node, int] = {}
 
-    def __init__(self):
-        self.by_list: dict = {}   # per_strategy_list's cache: (producer's list, output) -> id
-        self.ids: dict[tuple, int] = {}
-
-    def options_id(self, a: fx.Node) -> int:
-        producer, k = value_of(a)
-        return per_strategy_list(self.by_list, producer.meta[META_KEY].strategies, k,
-                                 lambda: self.ids.setdefault(tuple(output_options(a)), len(self.ids)))
-
-    def __call__(self, node: fx.Node):
-        def leaf(a: fx.Node):
-            v = a.meta["val"]
-            return ("T", tuple(v.shape), v.dtype, self.options_id(a))
-        try:
-            k = (node.target, args_key(node.args, leaf), args_key(node.kwargs, leaf))
-            hash(k)
-            return k
-        except TypeError:
-            return None
+    def leaf(a: fx.Node):
+        v = a.meta["val"]
+        return ("T", tuple(v.shape), v.dtype, seen.setdefault(a, len(seen)))
+    try:
+        k = (node.target, args_key(node.args, leaf), args_key(node.kwargs, leaf))
+        hash(k)
+        return k
+    except TypeError:
+        return None
 
 
 def _strategies(node: fx.Node, mesh, mesh_shape, rep) -> tuple[list[Strategy], str | None]:
@@ -383,7 +446,6 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
     find_regions(gm)
     rep = tuple([Replicate()] * mesh.ndim)
     cache: dict = {}
-    cache_key = _CacheKeys()
     unsplit: dict[str, str] = {}   # a region's sort -> a member no token split suits here
     fallbacks: list[tuple[str, str]] = []
     for node in gm.graph.nodes:
@@ -403,7 +465,7 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
             continue
         # One enumeration per distinct (op, shapes, arguments, input options): repeated layers
         # share the (immutable) result.
-        key = cache_key(node)
+        key = _cache_key(node)
         if key is not None and key in cache:
             strategies, reason = cache[key]
         else:

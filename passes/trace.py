@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 
@@ -83,6 +84,32 @@ _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, cont
 _OWN_FILES = frozenset({__file__, _torch.__file__})
 
 
+def _model_line() -> str | None:
+    """The innermost frame of the running stack outside torch and autoshard, as a traceback
+    line (``File "...", line N, in f``), or None."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_LIBRARY_DIRS) or f.f_code.co_filename in _OWN_FILES
+                             or os.path.basename(f.f_code.co_filename) == "contextlib.py"):
+        f = f.f_back
+    if f is None:
+        return None
+    return f'File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}'
+
+
+def _backward_sources(gm: fx.GraphModule) -> None:
+    """A backward node's model line is its forward op's: autograd numbers both alike (seq_nr)."""
+    forward: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        seq, where = node.meta.get("seq_nr"), node.meta.get("stack_trace")
+        if seq is None:
+            continue
+        if node.meta.get("autograd_backward"):
+            if seq in forward and not where:
+                node.meta["stack_trace"] = forward[seq]
+        elif where:
+            forward.setdefault(seq, where)
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch and autoshard: the line of the model that failed."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
@@ -124,7 +151,7 @@ def trace(model: nn.Module, example_inputs: tuple) -> TracedModel:
     args = tuple(_fake_like(fake_mode, a) if isinstance(a, torch.Tensor) else a for a in example_inputs)
     was_training = model.training
     try:
-        with _fake_parameters(model, fake_mode), _torch.joint_export(model, args) as jd:
+        with _fake_parameters(model, fake_mode), _torch.joint_export(model, args, _model_line) as jd:
             gm = jd.graph_module
     except Exception as exc:  # noqa: BLE001 - re-raised typed, with the user's line
         where = _user_frame(exc)
@@ -138,6 +165,7 @@ def trace(model: nn.Module, example_inputs: tuple) -> TracedModel:
                          f"{type(exc).__name__}: {exc}{hint}") from exc
     finally:
         model.train(was_training)
+    _backward_sources(gm)
     traced = _pair(gm, example_inputs)
     _tie(traced, model)
     traced.fingerprint = _fingerprint(traced.gm)

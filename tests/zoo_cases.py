@@ -1,6 +1,6 @@
 """Zoo numerics run inside real gloo processes (module level so spawned ranks can import it).
 
-Each model of the zoo, at its tiny size, is compiled under the solver's own plan and trained
+Each model of the zoo at its tiny size (or of autoshard/corpus.py, named "corpus:NAME"), is compiled under the solver's own plan and trained
 for ``STEPS`` SGD steps on every rank; each rank also runs the same steps on a single-device copy.
 Returned per model: the largest deviation of the loss (every step), of every gradient (every
 step) and of every parameter (after the last step), plus the plan's fallbacks.
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard import zoo
+from autoshard import corpus, zoo
 from autoshard.cluster import DeviceSpec, LinkSpec
 
 STEPS = 2
@@ -38,7 +38,7 @@ def train_case(name: str, mesh_shape=None, constraints=None, plan=None, dtype=No
     """mesh_shape None: the realistic ``Cluster.local`` (free plan); ("local", shape): the same on a
     mesh of that shape; else ``sharding_cluster``."""
     start = time.perf_counter()
-    model, inputs = zoo.get(name, "tiny", seed=0, dtype=dtype)
+    model, inputs = corpus.get(name[7:]) if name.startswith("corpus:") else zoo.get(name, "tiny", seed=0, dtype=dtype)
     ref = copy.deepcopy(model)
     world = dist.get_world_size()
     if mesh_shape is None or mesh_shape[0] == "local":
@@ -68,6 +68,7 @@ def train_case(name: str, mesh_shape=None, constraints=None, plan=None, dtype=No
     for pname, p in dm.named_parameters():
         err["param"] = max(err["param"], (p.full_tensor() - ref.get_parameter(pname)).abs().max().item())
     err["fallbacks"] = sorted({reason for _, reason in dm.plan.fallbacks})
+    err["gaps"] = [g["node"] for g in dm.plan.gaps]
     err["storage"] = dict(dm.plan.storage)
     err["inputs"] = list(dm.plan.inputs)
     err["sharded_nodes"] = sum(1 for n in dm.plan.nodes if "S(" in n.strategy)

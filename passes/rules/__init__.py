@@ -4,4 +4,4 @@ Each module holds one family of ops and registers its rules with DTensor's regis
 so planning (passes/strategies.py) and execution (DTensor at run time) see the same rules.
 """
 
-from autoshard.passes.rules import attention, grouped_mm, pointwise  # noqa: F401
+from autoshard.passes.rules import attention, conv, grouped_mm, pointwise  # noqa: F401

@@ -1,7 +1,8 @@
 """Elementwise ops DTensor registers no rule for.
 
 ``aten.floor_divide`` appears in transformers' grouped-GEMM Mixture-of-Experts dispatch (sorted
-token-expert slot // top_k = the token a slot came from). Elementwise means every output element
+token-expert slot // top_k = the token a slot came from); ``aten.polar`` (magnitude and angle to
+a complex number) in rotary embeddings written with complex numbers, as Meta's Llama code does. Elementwise means every output element
 depends on the same element of the inputs alone, so sharding every operand on the same dim is
 exact; integer division is not linear, so no Partial. An operand that broadcasts (another shape,
 or a Python number) stays replicated; the all-Replicate rule is implied.
@@ -25,5 +26,5 @@ def _same_dim_rule(op, args_schema, kwargs_schema):
     return [[S(d)] * (1 + len(tensors)) for d in range(len(out))]
 
 
-for _op in (aten.floor_divide.default, aten.floor_divide.Scalar):
+for _op in (aten.floor_divide.default, aten.floor_divide.Scalar, aten.polar.default):
     _torch.register_single_dim_strategy(_op)(_same_dim_rule)
