@@ -15,7 +15,8 @@ is what DTensor runs), plus autoshard's rules for ops torch lacks (``passes/rule
 * ops with no tensor input (factories): Replicate;
 * anything else: Replicate, reported in the result's ``fallback`` (``strict`` raises).
 
-Dim arguments are made non-negative before any rule sees them (:func:`normalized_args`). Only even sharding is kept (every sharded dim divides by its shard count), and no strided shards
+Dim arguments are made non-negative before any rule sees them (:func:`normalized_args`). Only
+even sharding is kept (every sharded dim divides by its shard count), and no strided shards
 or masked partials (vocab-parallel embedding), so local shapes, costs and numerics are exact. Facts go to ``node.meta["autoshard.strategies"]``.
 
 Example::
@@ -231,11 +232,11 @@ def normalized_args(node: fx.Node) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def placement_options(val, mesh_shape, partial: bool = True) -> list[Placements]:
+def placement_options(val, mesh_shape) -> list[Placements]:
     """Every placement a tensor like ``val`` can have on the mesh, evenly: per mesh dim Replicate,
-    Shard of each dim and (``partial``, floating tensors) a sum Partial."""
+    Shard of each dim and (floating and complex tensors) a sum Partial."""
     per_dim: list[Placement] = [Replicate()] + [Shard(d) for d in range(val.ndim)]
-    if partial and (val.is_floating_point() or val.is_complex()):
+    if val.is_floating_point() or val.is_complex():
         per_dim.append(Partial())
     return [p for p in itertools.product(per_dim, repeat=len(mesh_shape)) if _even(p, val.shape, mesh_shape)]
 
@@ -263,12 +264,11 @@ def _from_single_dim(node, info, mesh) -> list:
     return result
 
 
-def _input_combos(inputs: list[fx.Node], options: dict) -> list[dict]:
+def _input_combos(inputs: list[fx.Node], options: dict, rep: Placements) -> list[dict]:
     """The input placements to ask a propagating rule about, one combination per call: each input
     in each of its placements, the others replicated, and (for rules that want every operand
     placed alike: cat, stack, follow rules) the others in that same placement where they can be.
     Checked against every combination, one call each, in tests/test_coverage.py."""
-    rep = tuple([Replicate()] * len(next(iter(options.values()))[0])) if options else ()
     combos: dict[tuple, None] = {}
     for a in inputs:
         for p in options[a]:
@@ -282,7 +282,7 @@ def _from_op_strategy_all(node, func, mesh, schema_info, mesh_shape) -> list:
     given, and several follow one input or merge them) asked so that it cannot narrow the set:
     per combination of input placements, the answers united. A rule whose answer is the same for
     every input offered and for replicated inputs, and shards something, expands to the whole
-    mesh by itself (mm, sdpa): its one answer is complete."""
+    mesh by itself (the SDPA kernels, the softmax backwards): its one answer is complete."""
     inputs = list(dict.fromkeys(tensor_inputs(node)))
     options = {a: placement_options(a.meta["val"], mesh_shape) for a in inputs}
     rep = tuple([Replicate()] * mesh.ndim)
@@ -300,7 +300,7 @@ def _from_op_strategy_all(node, func, mesh, schema_info, mesh_shape) -> list:
                 any(p != rep for _, ins in everything for p in ins if p is not None):
             return everything
     result = list(everything or [])
-    for combo in _input_combos(inputs, options):
+    for combo in _input_combos(inputs, options, rep):
         result += ask(lambda a: [combo[a]]) or []
     if not result:
         raise RuntimeError("no input placement combination is supported")
@@ -463,7 +463,7 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
         if picked is not None:
             node.meta[META_KEY] = NodeStrategies(alias_of=picked)
             continue
-        # One enumeration per distinct (op, shapes, arguments, input options): repeated layers
+        # One enumeration per distinct (op, shapes, arguments): repeated layers
         # share the (immutable) result.
         key = _cache_key(node)
         if key is not None and key in cache:
