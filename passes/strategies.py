@@ -215,9 +215,8 @@ def normalized_args(node: fx.Node) -> tuple[tuple, dict]:
         return node.args, node.kwargs
     if schema.name in _DIM_OF_OUTPUT:
         rank = len(_tensor_vals(node.meta["val"])[0].shape)
-    else:
-        ins = tensor_inputs(node)
-        rank = ins[0].meta["val"].ndim if ins else 0
+    else:   # the largest input's: cat takes legacy empty 1-D tensors beside its real operands
+        rank = max((a.meta["val"].ndim for a in tensor_inputs(node)), default=0)
 
     def norm(v):
         if isinstance(v, int) and not isinstance(v, bool):

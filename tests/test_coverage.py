@@ -80,26 +80,26 @@ def test_enumeration_matches_brute_force(name, shape):
 
 
 def test_negative_dims_enumerate_as_their_positive_twins():
-    def f(x, y, dim):
-        return torch.stack((x * 2, y * 3), dim=dim).flatten(-2).sum()
-
-    class Stack(nn.Module):
+    """GPT-J concatenates its keys onto a legacy empty 1-D tensor along dim -2 (DTensor's cat rule
+    reads a dim against its first operand's rank, here 1)."""
+    class Cat(nn.Module):
         def __init__(self, dim):
             super().__init__()
-            self.dim, self.w = dim, nn.Parameter(torch.ones(8, 4, 6))
+            self.dim, self.w = dim, nn.Parameter(torch.ones(4, 4, 8, 6))
 
         def forward(self, x):
-            return f(x * self.w, x + self.w, self.dim)
+            return torch.cat((torch.empty(0), x * self.w), dim=self.dim).sum()
 
-    x = torch.randn(8, 4, 6)
+    x = torch.randn(4, 4, 8, 6)
     found = []
-    for dim in (-1, 3):
-        traced = autoshard.trace(Stack(dim), (x,))
-        find_strategies(traced.gm, _mesh((2,)))
-        (stack,) = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.stack.default]
-        found.append({str(s) for s in stack.meta[META_KEY].strategies})
+    for dim in (-2, 2):
+        traced = autoshard.trace(Cat(dim), (x,))
+        find_strategies(traced.gm, _mesh((2, 2)))
+        (cat,) = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.cat.default]
+        found.append({str(s) for s in cat.meta[META_KEY].strategies})
     assert found[0] == found[1]
-    assert "(S(2)),(S(2))->(S(2))" in found[0]   # the last dim of the inputs splits too
+    assert not any("S(2)" in s for s in found[0]), sorted(found[0])   # never the concatenated dim
+    assert "(R,S(0)),(R,S(0))->(R,S(0))" in found[0] and "(S(0),S(0)),(S(0),S(0))->(S(0),S(0))" in found[0]
 
 
 # ------------------------------------------------------------------ gaps are reported
