@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autoshard.zoo_hf import CausalLM, ImageClassifier  # the zoo's wrappers: (ids, labels), (pixels, labels)
+
 SEQ, BATCH, VOCAB, IMAGE = 32, 8, 128, 32
 
 _DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -142,18 +144,6 @@ def names() -> list[str]:
 
 
 # ------------------------------------------------------------------------ transformers wrappers
-class CausalLM(nn.Module):
-    """``forward(ids, labels)``: mean token cross-entropy of a causal or masked LM's logits."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=ids).logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
-
-
 class Seq2SeqLM(nn.Module):
     """``forward(ids, labels)``: the decoder reads ``labels`` (teacher forcing) and is scored on
     them, as the encoder-decoder training recipes do."""
@@ -165,15 +155,6 @@ class Seq2SeqLM(nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=ids, decoder_input_ids=labels, use_cache=False).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
-
-
-class ImageClassifier(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(pixel_values=pixels).logits, labels)
 
 
 class Contrastive(nn.Module):
