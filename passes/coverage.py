@@ -80,11 +80,11 @@ def _scalar(node: fx.Node) -> bool:
 # Inputs no local strategy can take sharded, by op and schema argument: a norm's weight and bias
 # span the dims it normalizes over, and sharding those needs every rank's statistics (the
 # normalized input shards on its other dims instead, as sequence parallelism does).
-INHERENT = {
-    "aten::native_layer_norm": ({"weight", "bias"}, "the norm's statistics span its weight's dims"),
-    "aten::native_layer_norm_backward": ({"weight", "bias"}, "the norm's statistics span its weight's dims"),
-    "aten::_fused_rms_norm": ({"weight"}, "the norm's statistics span its weight's dims"),
-    "aten::_fused_rms_norm_backward": ({"weight"}, "the norm's statistics span its weight's dims"),
+INHERENT: dict[str, frozenset[str]] = {
+    "aten::native_layer_norm": frozenset({"weight", "bias"}),
+    "aten::native_layer_norm_backward": frozenset({"weight", "bias"}),
+    "aten::_fused_rms_norm": frozenset({"weight"}),
+    "aten::_fused_rms_norm_backward": frozenset({"weight"}),
 }
 
 
@@ -96,7 +96,8 @@ def _arg_names(node: fx.Node) -> list[str]:
 
     def walk(v, name):
         if isinstance(v, fx.Node):
-            out.append(name)
+            if v.op != "get_attr":   # as tensor_inputs: a graph constant is no input
+                out.append(name)
         elif isinstance(v, (tuple, list)):
             for x in v:
                 walk(x, name)
@@ -127,7 +128,7 @@ def coverage_gaps(gm: fx.GraphModule) -> list[Gap]:
         found = []
         inputs = tensor_inputs(node)
         names = _arg_names(node)
-        inherent = INHERENT.get(getattr(getattr(node.target, "_schema", None), "name", None), (set(), ""))[0]
+        inherent = INHERENT.get(getattr(getattr(node.target, "_schema", None), "name", None), frozenset())
         for a in dict.fromkeys(inputs):
             k = inputs.index(a)
             if _exempt(a) or names[k] in inherent:
