@@ -65,7 +65,7 @@ class DeviceSpec:
 
     peak_flops: dense FLOP/s by dtype key ("float32", "tf32", "bfloat16", "float16", optionally
     "float64"); "float32" is required, since it is the fallback for every other dtype.
-    compute_efficiency: large GEMMs reach ~60-80% of peak (REFERENCE.md); 0.7 is the middle.
+    compute_efficiency: large GEMMs reach ~60-80% of peak (docs/cost_model.md); 0.7 is the middle.
     memory_efficiency: streaming kernels reach ~80% of HBM bandwidth.
     usable_fraction: the CUDA context, allocator fragmentation and library workspaces take the rest.
     launch_overhead: the floor of any kernel, however small (launch + sync), in seconds.
@@ -110,7 +110,7 @@ class LinkSpec:
 
     latency: alpha, seconds per ring step. bandwidth: bytes/s per rank, each way (half the
     "bidirectional" figure vendors print). efficiency: NCCL's bus bandwidth reaches ~70-85% of
-    the link rate (REFERENCE.md), so 0.8.
+    the link rate (docs/cost_model.md), so 0.8.
     """
 
     name: str
@@ -188,7 +188,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-# --- memory formulas (REFERENCE.md) ------------------------------------------------------------
+# --- memory formulas (docs/cost_model.md) ------------------------------------------------------------
 # Bytes per parameter of training state, by precision: the parameter as the model computes with
 # it, its gradient, and the fp32 master copy that mixed precision keeps (fp32 training has none).
 _STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "master": 0},
@@ -229,7 +229,7 @@ def transformer_activation_bytes(hidden: int, heads: int, seq: int, batch: int, 
                                  recompute: bool = False, fused_attention: bool = False) -> float:
     """Activations a transformer saves for backward, 16-bit, no tensor/sequence parallelism
     (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-    eq. 1; REFERENCE.md). Per layer, per token::
+    eq. 1; docs/cost_model.md). Per layer, per token::
 
         34 h + 5 a s     bytes   (h hidden, a heads, s sequence length)
         34 h             with fused attention (flash attention recomputes the a*s*s scores)

@@ -11,7 +11,7 @@ the shards of the *other* dims) moves by one collective (ring formulas in cluste
     Partial -> Shard       reduce-scatter   Shard(i) -> Shard(j) all-to-all
     Replicate -> Shard / Partial, and unchanged placements: local, free
 
-Multi-dim resharding is the sum over the dims it touches (DESIGN.md).
+Multi-dim resharding is the sum over the dims it touches (docs/cost_model.md).
 
 optimizer(parameter, storage strategy) = the AdamW update of the parameter's local shard, once per
 step, where its storage placement keeps it (:func:`optimizer_time`): memory-bound::
@@ -37,7 +37,7 @@ from autoshard.passes.annotate import META_KEY as COST_KEY, tensor_bytes
 class Collective:
     kind: str          # all_reduce | all_gather | reduce_scatter | all_to_all
     mesh_dim: int
-    nbytes: float      # the collective's n (REFERENCE.md conventions)
+    nbytes: float      # the collective's n (docs/cost_model.md conventions)
     time: float
 
 

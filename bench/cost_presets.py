@@ -16,7 +16,7 @@ plan with this storage", which can come out equal to another row's step time. Pl
 made without a memory cap and without recompute, so each row is the pinned strategy as such; the
 "fits" column says whether its predicted peak fits the device's usable memory.
 MFU = model FLOPs / (step time x peak x devices), model FLOPs = (6 N + 12 L h s) x tokens
-(REFERENCE.md). The zoo models are fp32, so the plans are priced at the fp32 peak (A100 19.5,
+(docs/cost_model.md). The zoo models are fp32, so the plans are priced at the fp32 peak (A100 19.5,
 H100 67 TFLOP/s) and MFU is against that peak: not comparable to bf16 MFUs people publish.
 
 The 7B shape is planned at its full 32 layers (~40 s a plan on this 2-core host). ``--llama-layers
@@ -72,7 +72,7 @@ CONSTRAINTS = {
 
 
 def model_flops(n_params: int, layers: int, hidden: int, seq: int, tokens: int) -> float:
-    """Training FLOPs of one step (REFERENCE.md): (6 N + 12 L h s) per token."""
+    """Training FLOPs of one step (docs/cost_model.md): (6 N + 12 L h s) per token."""
     return (6 * n_params + 12 * layers * hidden * seq) * tokens
 
 

@@ -133,7 +133,7 @@ class _MemoryRows:
 
 
 def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, reshard_terms: dict) -> _MemoryRows:
-    """The memory block of DESIGN.md's ILP (formulas in solver/memory.py); ``held``: the working
+    """The memory block of the ILP (docs/cost_model.md) (formulas in solver/memory.py); ``held``: the working
     copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds,
     (source, destination placement))] (before overlap), for charging a recomputed node's input
     moves again and a saved view's moved copy."""

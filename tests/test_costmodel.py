@@ -188,7 +188,7 @@ def test_two_dim_other_dim_sharded_divides_bytes(two_nodes):
 
 def test_two_dims_touched_sum(two_nodes):
     # Partial on both dims -> replicated: one all-reduce per dim, each on the whole tensor, summed
-    # (DESIGN.md: multi-dim resharding is the sum over the dims it touches).
+    # (docs/cost_model.md: multi-dim resharding is the sum over the dims it touches).
     colls = costmodel.resharding(two_nodes, (P, P), (R, R), N)
     assert [(c.kind, c.mesh_dim, c.nbytes) for c in colls] == [("all_reduce", 0, N), ("all_reduce", 1, N)]
     expected = (2 * 1 / 2 * N / IB + 2 * IB_A) + (2 * 7 / 8 * N / NV + 2 * 7 * NV_A)

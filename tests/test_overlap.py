@@ -37,7 +37,7 @@ def _ddp(traced):
 
 
 def _all_reduce(nbytes: float) -> float:
-    """Ring all-reduce over 2 ranks on NVLink 4 (REFERENCE.md): 2(p-1)/p n/B + 2(p-1) alpha, less
+    """Ring all-reduce over 2 ranks on NVLink 4 (docs/cost_model.md): 2(p-1)/p n/B + 2(p-1) alpha, less
     the latency for a gradient: the runtime reduces gradients in flat buckets, one latency each
     (costmodel's ``bucketed``)."""
     return 2 * 0.5 * nbytes / (NVLINK4.bandwidth * NVLINK4.efficiency)
