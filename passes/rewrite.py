@@ -41,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autoshard import _torch, costmodel
 from autoshard.passes.annotate import feeds_only_grads, phases
 from autoshard.passes.regions import runs_locally
-from autoshard.passes.rules import conv
+from autoshard.passes import rules
 from autoshard.passes.strategies import META_KEY, Strategy, tensor_inputs
 
 ORIGIN = "autoshard.node"   # meta["custom"] key: the joint-graph node a local node implements
@@ -100,8 +100,8 @@ _SIZED = {torch.ops.aten.new_zeros.default: 1, torch.ops.aten.new_empty.default:
 
 
 def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
-    """A token-local region's op (passes/regions.py) on this rank's own tokens, or a convolution
-    (passes/rules/conv.py) on its local shards: inputs moved to the planned placements and taken
+    """A token-local region's op (passes/regions.py) on this rank's own tokens, or an op of
+    ``rules.LOCAL`` (a convolution) on its local shards: inputs moved to the planned placements and taken
     local, the op run as on a smaller batch or fewer channels (sizes and groups made local), and
     the outputs wrapped as the planned placements of the whole tensors."""
     inputs = iter(strategy.inputs)
@@ -117,8 +117,8 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
     elif node.target in _SIZED:
         i = _SIZED[node.target]
         args = (*args[:i], list(local[0]), *args[i + 1:])
-    elif node.target in conv.LOCAL:
-        args = conv.LOCAL[node.target](node, args)
+    elif node.target in rules.LOCAL:
+        args = rules.LOCAL[node.target](node, args)
     out = node.target(*args, **kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     wrapped = tuple(t if p is None else DTensor.from_local(t, mesh, p, run_check=False, shape=v.shape, stride=v.stride())
@@ -127,7 +127,7 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
 
 
 def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
-    if runs_locally(node, strategy) or node.target in conv.LOCAL:
+    if runs_locally(node, strategy) or node.target in rules.LOCAL:
         return _run_local(node, env, strategy, mesh, reduce_dtype)
     inputs = iter(strategy.inputs)
 

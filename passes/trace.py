@@ -84,12 +84,16 @@ _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, cont
 _OWN_FILES = frozenset({__file__, _torch.__file__})
 
 
+def _library(filename: str) -> bool:
+    """Whether a frame's file is torch's, contextlib's or autoshard's tracing code, not the model's."""
+    return filename.startswith(_LIBRARY_DIRS) or filename in _OWN_FILES or os.path.basename(filename) == "contextlib.py"
+
+
 def _model_line() -> str | None:
     """The innermost frame of the running stack outside torch and autoshard, as a traceback
     line (``File "...", line N, in f``), or None."""
     f = sys._getframe(1)
-    while f is not None and (f.f_code.co_filename.startswith(_LIBRARY_DIRS) or f.f_code.co_filename in _OWN_FILES
-                             or os.path.basename(f.f_code.co_filename) == "contextlib.py"):
+    while f is not None and _library(f.f_code.co_filename):
         f = f.f_back
     if f is None:
         return None
@@ -112,9 +116,7 @@ def _backward_sources(gm: fx.GraphModule) -> None:
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch and autoshard: the line of the model that failed."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(_LIBRARY_DIRS) and f.filename not in _OWN_FILES
-              and os.path.basename(f.filename) != "contextlib.py"]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _library(f.filename)]
     if not frames:
         return "(no frame outside torch)"
     f = frames[-1]

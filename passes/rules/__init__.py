@@ -5,3 +5,7 @@ so planning (passes/strategies.py) and execution (DTensor at run time) see the s
 """
 
 from autoshard.passes.rules import attention, conv, grouped_mm, pointwise  # noqa: F401
+
+# op -> its arguments made local, given its local tensors: ops the rewriter runs on local shards
+# itself rather than through DTensor's dispatch (passes/rewrite.py)
+LOCAL = {**conv.LOCAL}
