@@ -226,10 +226,13 @@ def _last_layer_apart(problem, mm, rep, solution, cluster, time_limit, cutoff):
     bar = solution.objective * (1 - 1e-3)
     start = time.perf_counter()
     try:
-        better = solve(small, cluster, small_mm, time_limit=max(1.0, time_limit - solution.solve_time),
-                       cutoff=min(bar, cutoff or math.inf))
-    except (CutoffError, InfeasibleError, SolverError):   # none faster (or none within time_limit)
+        # its own time_limit, not what the shared solve left of it: a budget that shrank on a
+        # slower machine could stop this solve there and not here, and change an optimal plan
+        better = solve(small, cluster, small_mm, time_limit=time_limit, cutoff=min(bar, cutoff or math.inf))
+    except (CutoffError, InfeasibleError):   # proven: no plan faster
         better = None
+    except SolverError:   # not proven either way within time_limit: the shared plan is not proven best
+        better, solution.status = None, "feasible"
     solution.solve_time += time.perf_counter() - start
     if better is None or better.objective >= bar:
         pool_blocks(problem, rep, mm.block)

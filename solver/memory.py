@@ -307,7 +307,7 @@ def saved_for_backward(mm: MemoryModel, recompute: set, choice: dict | None = No
     for u in mm.needed:
         if u not in recompute:
             hold(u)
-    for v in recompute:
+    for v in sorted(recompute):   # graph order, not the set's (its hash is the node's address)
         for u in mm.inputs_of.get(v, []):
             if u not in recompute:
                 hold(u)
@@ -326,7 +326,7 @@ def rematerialized(mm: MemoryModel) -> list[fx.Node]:
     return [v for v in mm.recomputable if v in read]
 
 
-def backward_start_reads(nodes, block: dict) -> set[fx.Node]:
+def backward_start_reads(nodes, block: dict) -> list[fx.Node]:
     """Forward values read by the backward ops that run before backward reaches a repeated layer
     (a node with a ``block``): the loss's and the head's backward. Without repeated layers, the
     first backward op's alone (nothing marks where the head ends; later replays are taken to
@@ -337,19 +337,19 @@ def backward_start_reads(nodes, block: dict) -> set[fx.Node]:
     # a shared problem's blocks name its representatives only: the other copies' by their layer mark
     of = lambda n: block[n] if n in block else (n.meta.get(LAYER_KEY) or (None, None))[1]  # noqa: E731
     layered = any(of(n) is not None for n in backward)
-    out: set[fx.Node] = set()
+    out: dict[fx.Node, None] = {}   # in graph order: the ILP's rows follow it (plans must not follow id())
     for i, n in enumerate(backward):
         if of(n) is not None or (i > 0 and not layered):
             break
-        out.update(u for u in map(_producer, tensor_inputs(n))
-                   if u.op == "call_function" and COST_KEY in u.meta and u.meta[COST_KEY].phase == "fwd")
-    return out
+        out.update(dict.fromkeys(u for u in map(_producer, tensor_inputs(n))
+                                 if u.op == "call_function" and COST_KEY in u.meta and u.meta[COST_KEY].phase == "fwd"))
+    return list(out)
 
 
 def replayed_at_start(mm: MemoryModel, recompute: set) -> set[fx.Node]:
     """The a_v = 1 nodes (module docstring): the least solution, from the seeds up the inputs
     (a shared problem's class graph may have cycles: a block's output feeds its own class)."""
-    todo = [u for u in {mm.alias.get(u, u) for u in backward_start_reads(mm.recomputable, mm.block)}
+    todo = [u for u in dict.fromkeys(mm.alias.get(u, u) for u in backward_start_reads(mm.recomputable, mm.block))
             if u in recompute]
     on: set[fx.Node] = set(todo)
     while todo:

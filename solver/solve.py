@@ -240,7 +240,7 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
     # recomputed values live in backward, replayed at its start (a_v) or lazily per block:
     #   a_u >= r_u (u read first),  a_u >= a_v + r_u - 1 (u an input of v),  a_v <= r_v
     #   T_rec >= sum_{v in B} sum_s act[v,s] g[v,s] + sum_{v in B_b} sum_s act[v,s] (j - g)[v,s] / n_v
-    for u in {mm.alias.get(u, u) for u in backward_start_reads(mm.recomputable, mm.block)}:
+    for u in dict.fromkeys(mm.alias.get(u, u) for u in backward_start_reads(mm.recomputable, mm.block)):
         if u in r:
             m.add([(a[u], 1.0), (r[u], -1.0)], lower=0)
     for v in r:
@@ -498,13 +498,14 @@ HINT_GAP = 0.05          # a first plan this close to the LP bound starts HiGHS 
 
 
 def _run_highs(m: Model, time_limit: float, mip_gap: float, log: bool, cutoff: float | None = None,
-               groups: list[list[int]] = ()):
+               groups: list[list[int]] = (), node_limit: int | None = None):
     """:func:`_run_pywraplp` with HiGHS under MathOpt: at the time limit, the best plan found so
     far is returned ("feasible", with HiGHS's bound) instead of none. The model goes in scaled
     (:meth:`Model.to_mathopt`); objective and bound come back in the model's own units. ``cutoff``
     (model units): "infeasible" once no solution can be below it (HiGHS's ``objective_bound``;
     MathOpt's own cutoff_limit is not supported for HiGHS). ``groups``: the variables of each
-    node's one-hot strategy choice, for :func:`_first_plan`."""
+    node's one-hot strategy choice, for :func:`_first_plan`. ``node_limit``: stop after that many
+    branch-and-bound nodes, a limit that does not depend on the machine's speed."""
     model = m.to_mathopt(OBJECTIVE_SCALE)
     scaled = None if cutoff is None else cutoff * OBJECTIVE_SCALE
     deadline = time.perf_counter() + time_limit
@@ -512,6 +513,7 @@ def _run_highs(m: Model, time_limit: float, mip_gap: float, log: bool, cutoff: f
     if first is not None and first[0] != "hint":
         return first
     params = _highs_parameters(max(deadline - time.perf_counter(), 0.1), mip_gap, log, presolve=first is None)
+    params.node_limit = node_limit
     if scaled is not None:
         params.highs.double_options["objective_bound"] = scaled
     result = _highs(model, params, None if first is None else first[1])
@@ -539,7 +541,10 @@ def _first_plan(model, groups: list[list[int]], time_limit: float, mip_gap: floa
     32 layers and one 0.09% above it at 80. Returns ("optimal", ...) as :func:`_run_highs` does
     when that plan is within the gap of the LP bound (gap 0 on the 8-layer shape), "infeasible"
     when the LP is (or its bound reaches the cutoff), ("hint", values) for HiGHS to start from,
-    or None when no plan came of it."""
+    or None when no plan came of it.
+
+    Each of its two solves has a fixed share of ``time_limit``, never what an earlier step left
+    (a budget that shrank on a slower machine would change the path there and not here)."""
     lp = model_pb2.ModelProto()
     lp.CopyFrom(model)
     lp.variables.integers[:] = [False] * len(lp.variables.integers)

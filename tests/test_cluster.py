@@ -15,13 +15,6 @@ from autoshard.errors import ClusterError
 GiB = 2**30
 
 
-@pytest.fixture(autouse=True)
-def _no_calibration(monkeypatch, tmp_path):
-    # A calibration file in the developer's home must not change what these tests see.
-    monkeypatch.delenv("AUTOSHARD_CALIBRATION", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
-
-
 def dgx_a100(nodes=1):
     return Cluster.preset("dgx-a100-80gb", nodes=nodes)
 

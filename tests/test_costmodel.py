@@ -15,12 +15,6 @@ GiB = 2**30
 R, P = Replicate(), Partial()
 
 
-@pytest.fixture(autouse=True)
-def _no_calibration(monkeypatch, tmp_path):
-    monkeypatch.delenv("AUTOSHARD_CALIBRATION", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
-
-
 # --- memory: a Llama-2 7B shape -------------------------------------------------------------------
 H, L, I, V, A = 4096, 32, 11008, 32000, 32   # hidden, layers, intermediate, vocab, heads
 LLAMA_7B_PARAMS = (
