@@ -35,8 +35,11 @@ bench: $(STAMP)
 	  echo "== $$f"; OMP_NUM_THREADS=1 $(PY) "$$f"; \
 	done
 
+# Prints what changed per case and rewrites those files; exits non-zero, leaving a case's file
+# as it was, when its solve is not proven optimal. GOLDEN_CASES="gpt llama" re-plans only those.
+GOLDEN_CASES ?=
 golden: $(STAMP)
-	if [ -f tests/golden_update.py ]; then $(PY) -m tests.golden_update; \
+	if [ -f tests/golden_update.py ]; then OMP_NUM_THREADS=1 $(PY) -m tests.golden_update $(GOLDEN_CASES); \
 	else echo "golden: tests/golden_update.py not found, nothing to do"; fi
 
 clean:

@@ -1,12 +1,15 @@
 """Golden plans: every zoo case re-planned and compared with tests/golden/<case>.json, written by
-``make golden``. Fails when a plan is more than 1% slower than its golden or any decision changed
-(a faster plan with the same decisions passes: a cost-model change, regenerate to record it)."""
+``make golden``. Fails when any decision (node strategy or recompute, parameter storage, input
+placement, mesh) changed, or the predicted step time or peak memory moved by more than REL either
+way: a plan is deterministic, so any such change is a change in what autoshard plans or predicts.
+Regenerate with ``make golden`` and review its printed diff."""
 
 import json
+import math
 
 import pytest
 
-from golden_update import SLOWER_BY, cases, path, plan_case, summary
+from golden_update import REL, cases, changes, path, plan_case, summary
 
 
 @pytest.mark.parametrize("name", cases())
@@ -14,15 +17,13 @@ def test_plan_matches_golden(name):
     if not path(name).is_file():
         pytest.fail(f"no golden for {name}: run `make golden` and commit tests/golden/{name}.json")
     want = json.loads(path(name).read_text())
-    got = json.loads(json.dumps(summary(name, plan_case(name))))  # the same JSON round trip as the file
-    assert got["step_time"] <= want["step_time"] * (1 + SLOWER_BY), \
-        f"{name}: predicted step {got['step_time'] * 1e3:.4f} ms vs golden {want['step_time'] * 1e3:.4f} ms"
-    assert got["mesh"] == want["mesh"]
-    assert got["storage"] == want["storage"]
-    assert got["inputs"] == want["inputs"]
-    changed = {(block, node): (d, got["decisions"].get(block, {}).get(node))
-               for block, nodes in want["decisions"].items() for node, d in nodes.items()
-               if got["decisions"].get(block, {}).get(node) != d}
-    added = {(b, n) for b, ns in got["decisions"].items() for n in ns if n not in want["decisions"].get(b, {})}
-    assert not changed and not added, f"{name}: decisions changed (golden, now): {dict(list(changed.items())[:8])}" \
-                                      f"{' new nodes: ' + str(sorted(added)[:8]) if added else ''}"
+    assert want["decisions"] and want["storage"] and want["inputs"], f"{name}: the golden pins no decisions"
+    plan = plan_case(name)
+    # a plan stopped at the time limit is any plan within its gap, not the golden's optimum
+    assert plan.solver["status"] == "optimal", f"{name}: solve stopped {plan.solver}"
+    got = json.loads(json.dumps(summary(name, plan)))  # the same JSON round trip as the file
+    wrong = [f"{key}: {want[key] * scale:.6f} -> {got[key] * scale:.6f} {unit} ({got[key] / want[key] - 1:+.2e}, "
+             f"tolerance {REL:g})" for key, unit, scale in (("step_time", "ms", 1e3), ("peak_memory", "B", 1))
+             if not math.isclose(got[key], want[key], rel_tol=REL, abs_tol=0)] + changes(want, got)
+    assert not wrong, f"{name}: the plan differs from its golden (golden -> now), {len(wrong)} changes:\n" + \
+        "\n".join(wrong[:20])
