@@ -15,35 +15,19 @@ from autoshard.errors import ClusterError
 from autoshard.launch import run_local
 
 KiB, MiB = 2**10, 2**20
-HELD_OUT = 6 * MiB       # an all-reduce size the fit never saw (it sees 64 KiB .. 16 MiB)
-ATTEMPTS = 3             # the host is shared: a burst of load can land on one measurement only
-
-
-@pytest.fixture(autouse=True)
-def _no_calibration(monkeypatch, tmp_path):
-    monkeypatch.delenv("AUTOSHARD_CALIBRATION", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
+HELD_OUT = 6 * MiB       # an all-reduce size the calibration does not use (64 KiB .. 16 MiB)
 
 
 # --- on 2 ranks: one launch for everything ------------------------------------------------------------
 def calibrate_job(path: str) -> dict:
-    """Calibrate (saving on rank 0), then time an all-reduce of a held-out size afresh and
-    compare with the fitted prediction; retried as a pair, so each comparison is of numbers
-    measured seconds apart. Then a 2-D mesh calibration with few sizes (its wiring, not its
-    accuracy)."""
-    attempts = []
-    for _ in range(ATTEMPTS):
-        cluster = Cluster.calibrate(save=path)
-        nbytes, measured = time_collective("all_reduce", HELD_OUT, repeats=15)
-        # the fitted line, without the size-switch term: time_collective repeats one size
-        ar = cluster.calibration["mesh_dims"][0]["fits"]["all_reduce"]
-        predicted = ar["a"] + ar["b"] * nbytes
-        attempts.append({"json": cluster.to_json(), "measured": measured, "predicted": predicted})
-        if abs(predicted - measured) <= 0.5 * measured:
-            break
+    """Calibrate (saving on rank 0), time one all-reduce of another size, then a 2-D mesh
+    calibration with few sizes (its wiring). How well a calibration predicts is measured by
+    bench/fidelity.py, not here: timings on a shared host make no assertion."""
+    cluster = Cluster.calibrate(save=path)
+    held_out = time_collective("all_reduce", HELD_OUT, repeats=3)
     two_d = Cluster.calibrate(mesh_shape=(2, 1), mesh_dim_names=("a", "b"),
                               message_sizes=(64 * KiB, 4 * MiB, 16 * MiB), repeats=3)
-    return {"attempts": attempts, "two_d": two_d.to_json(), "rank": dist.get_rank()}
+    return {"json": cluster.to_json(), "held_out": held_out, "two_d": two_d.to_json(), "rank": dist.get_rank()}
 
 
 @pytest.fixture(scope="module")
@@ -56,55 +40,59 @@ def calibrated(tmp_path_factory):
 @pytest.mark.world(2)
 def test_all_ranks_agree_and_rank0_saves(calibrated):
     (r0, r1), path = calibrated
-    assert [a["json"] for a in r0["attempts"]] == [a["json"] for a in r1["attempts"]]
-    assert r0["two_d"] == r1["two_d"]
-    assert path.read_text() == r0["attempts"][-1]["json"]
+    assert r0["json"] == r1["json"] and r0["two_d"] == r1["two_d"]
+    assert path.read_text() == r0["json"]
+    # time_collective: the slowest rank's time on both, the bytes it moved (6 MiB: whole floats)
+    assert r0["held_out"] == r1["held_out"] and r0["held_out"][0] == HELD_OUT and r0["held_out"][1] > 0
 
 
 @pytest.mark.world(2)
-def test_calibrated_figures_are_positive_and_finite(calibrated):
+def test_calibrated_cluster_is_built_from_its_measurements(calibrated):
     (r0, _), _ = calibrated
-    c = Cluster.from_json(r0["attempts"][-1]["json"])
+    c = Cluster.from_json(r0["json"])
+    cal = c.calibration
     assert c.mesh_shape == (2,) and c.mesh_dim_names == ("d0",)
     ok = lambda v: 0 < v < math.inf  # noqa: E731
-    assert ok(c.device.flops("float32")) and ok(c.device.memory_bandwidth) and ok(c.device.memory)
-    assert 1e8 < c.device.flops("float32") < 1e13            # a CPU core: 0.1 .. 10000 GFLOP/s
-    assert 1e8 < c.device.memory_bandwidth < 1e12
-    assert c.device.compute_efficiency == c.device.memory_efficiency == 1.0  # measured = achieved
-    link = c.links[0]
-    assert ok(link.latency) and ok(link.bandwidth) and link.efficiency == 1.0
-    dim = c.calibration["mesh_dims"][0]
+    assert ok(c.device.memory)
+    # the device is its best measured rates, reached as measured (efficiency 1)
+    assert set(cal["matmul_flops"]["float32"]) == {"256", "512", "1024"}
+    assert c.device.flops("float32") == max(cal["matmul_flops"]["float32"].values()) > 0
+    assert set(cal["memory_bandwidth"]) == {"copy", "add"}
+    assert c.device.memory_bandwidth == max(cal["memory_bandwidth"].values()) > 0
+    assert c.device.launch_overhead == cal["launch_overhead"] > 0 and cal["dtensor_op_overhead"] >= 0
+    assert c.device.compute_efficiency == c.device.memory_efficiency == 1.0
+    dim = cal["mesh_dims"][0]
     assert dim["measured"] and set(dim["fits"]) == set(COLLECTIVES)
     for kind, fit in dim["fits"].items():
-        assert ok(fit["bandwidth"]) and 0 <= fit["latency"] < math.inf, kind
-        assert len(fit["sizes"]) == len(fit["times"]) == 6 and min(fit["sizes"]) == 64 * KiB
-        assert max(fit["sizes"]) == 16 * MiB
-    # The stored link is the all-reduce fit, and reproduces its line exactly.
+        sizes, times, a, b = fit["sizes"], fit["times"], fit["a"], fit["b"]
+        assert len(sizes) == len(times) == 6 and min(sizes) == 64 * KiB and max(sizes) == 16 * MiB, kind
+        assert all(ok(t) for t in times) and b > 0 and a >= 0, kind
+        # the weighted least-squares optimum (weights 1/t): the relative residuals r/t have
+        # sum n r / t = 0, and sum r / t = 0 unless the intercept was clamped to 0 (rounding
+        # leaves ~1e-15 of sum n, resp. of the count)
+        rel = [(a + b * n - t) / t for n, t in zip(sizes, times)]
+        assert abs(sum(n * e for n, e in zip(sizes, rel))) <= 1e-12 * sum(sizes), kind
+        assert fit["clamped"] == (a == 0.0), kind
+        if not fit["clamped"]:
+            assert abs(sum(rel)) <= 1e-12 * len(rel), kind
+        # what the sizes cost on top of the line when they change call to call, spread over the calls
+        assert fit["switch"] == pytest.approx(max(0.0, (fit["mixed"] - sum(a + b * n for n in sizes)) / 6),
+                                              rel=1e-12, abs=0), kind
+        # the ring's (alpha, B) of the line a + switch + b n on 2 ranks: 2(p-1) = 2 latency steps and
+        # 2(p-1)/p = 1 of the bytes for the all-reduce, 1 and 1/2 for the others
+        steps, share = (2, 1.0) if kind == "all_reduce" else (1, 0.5)
+        assert fit["latency"] == pytest.approx((a + fit["switch"]) / steps, rel=1e-12, abs=0), kind
+        assert fit["bandwidth"] == pytest.approx(share / b, rel=1e-12, abs=0), kind
+        # each kind priced by its own line, not by the all-reduce link's ring ratios
+        for n in sizes:
+            assert c.collective_time(kind, n, 0) == pytest.approx(a + fit["switch"] + b * n, rel=1e-9), kind
     ar = dim["fits"]["all_reduce"]
-    assert (link.latency, link.bandwidth) == (ar["latency"], ar["bandwidth"])
-    for n in ar["sizes"]:
-        assert c.collective_time("all_reduce", n, 0) == pytest.approx(ar["a"] + ar["switch"] + ar["b"] * n, rel=1e-9)
-    # every other kind is priced by its own fit, not by the all-reduce link's ring ratios
-    for kind, fit in dim["fits"].items():
-        assert fit["switch"] == size_switch_latency(fit["sizes"], fit["mixed"], fit["a"], fit["b"]) >= 0
-        for n in fit["sizes"]:
-            assert c.collective_time(kind, n, 0) == pytest.approx(fit["a"] + fit["switch"] + fit["b"] * n,
-                                                                  rel=1e-9), kind
-    assert c.calibration["dtensor_op_overhead"] >= 0
-
-
-@pytest.mark.world(2)
-def test_prediction_of_a_held_out_size(calibrated):
-    (r0, _), _ = calibrated
-    seen = [a for a in r0["attempts"]]
-    report = [f"predicted {a['predicted'] * 1e3:.2f} ms, measured {a['measured'] * 1e3:.2f} ms" for a in seen]
-    last = seen[-1]
-    assert abs(last["predicted"] - last["measured"]) <= 0.5 * last["measured"], report
+    assert c.links[0] == LinkSpec(c.links[0].name, ar["latency"], ar["bandwidth"], 1.0)
 
 
 @pytest.mark.world(2)
 def test_saved_calibration_feeds_cluster_local(calibrated, monkeypatch):
-    (r0, _), path = calibrated
+    _, path = calibrated
     saved = Cluster.from_json(path.read_text())
     monkeypatch.setenv("AUTOSHARD_CALIBRATION", str(path))
     c = Cluster.local(2)
@@ -138,8 +126,29 @@ def test_fit_recovers_a_line():
     sizes = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB, 16 * MiB]
     a, b = 80e-6, 1 / 1.5e9
     fit = fit_line(sizes, [a + b * n for n in sizes])
-    assert fit["a"] == pytest.approx(a, rel=1e-9) and fit["b"] == pytest.approx(b, rel=1e-9)
+    assert fit["a"] == pytest.approx(a, rel=1e-9, abs=0) and fit["b"] == pytest.approx(b, rel=1e-9, abs=0)
     assert not fit["clamped"] and fit["rms_rel_err"] < 1e-9
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather"])
+def test_synthetic_measurements_give_back_their_link(kind):
+    """Times a known ring link takes on 4 ranks (docs/cost_model.md), plus 30 us per call when
+    the sizes change call to call: the fit, the size-switch cost and the ring inversion give back
+    the link, its latency raised by the switch cost per ring step."""
+    sizes = [64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB, 16 * MiB]
+    alpha, bw, p, switch = 7e-6, 2.5e9, 4, 30e-6
+    steps, share = (2 * (p - 1), 2 * (p - 1) / p) if kind == "all_reduce" else (p - 1, (p - 1) / p)
+    times = [steps * alpha + share * n / bw for n in sizes]
+    # exact up to rounding (~1e-15 here; the switch cost is a difference of sums 100x larger);
+    # abs=0: pytest's default 1e-12 is more than these seconds per byte
+    exact = dict(rel=1e-12, abs=0)
+    fit = fit_line(sizes, times)
+    assert fit["a"] == pytest.approx(steps * alpha, **exact) and fit["b"] == pytest.approx(share / bw, **exact)
+    extra = size_switch_latency(sizes, sum(times) + len(sizes) * switch, fit["a"], fit["b"])
+    assert extra == pytest.approx(switch, **exact)
+    link = link_from_fit(kind, p, fit["a"] + extra, fit["b"], "fit")
+    assert link.latency == pytest.approx(alpha + switch / steps, **exact)
+    assert link.bandwidth == pytest.approx(bw, **exact) and link.efficiency == 1.0
 
 
 def test_fit_clamps_a_negative_intercept():
