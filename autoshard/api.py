@@ -24,9 +24,10 @@ from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
 from autoshard.passes.regions import untied
 from autoshard.passes.bucket import bucket_gathers, gradient_buckets, reduce_gradients
 from autoshard.passes.rewrite import local_joint, split
-from autoshard.passes.strategies import META_KEY, find_strategies, placement_str, value_of
+from autoshard.passes.strategies import META_KEY, find_strategies, value_of
 from autoshard.passes.trace import TracedModel, trace as _trace
-from autoshard.plan import NodeDecision, Plan, parse_placements
+from autoshard.notation import parse_placements, placements_str
+from autoshard.plan import NodeDecision, Plan
 from autoshard.precision import MixedPrecision, cast_module, policy_fingerprint
 from autoshard.progress import Progress
 from autoshard.runtime import DistributedModule
@@ -56,10 +57,6 @@ def _accumulation(k) -> dict:
     if not (isinstance(k, int) and k >= 1):
         raise ConstraintError(f"grad_accumulation must be a positive int, not {k!r}")
     return {} if k == 1 else {"grad_accumulation": k}
-
-
-def _pl(p) -> str:
-    return "(" + ",".join(placement_str(x) for x in p) + ")"
 
 
 def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mixed_precision=None,
@@ -310,8 +307,8 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, gaps=(), limit=Non
     return Plan(
         fingerprint=traced.fingerprint, cluster=cluster.to_json(), mesh_shape=tuple(cluster.mesh_shape),
         mesh_dim_names=tuple(cluster.mesh_dim_names), nodes=nodes,
-        storage={name: _pl(choice[problem.storage[node]].outputs[0]) for name, node in traced.params},
-        inputs=[_pl(choice[node].outputs[0]) for node in traced.inputs],
+        storage={name: placements_str(choice[problem.storage[node]].outputs[0]) for name, node in traced.params},
+        inputs=[placements_str(choice[node].outputs[0]) for node in traced.inputs],
         step_time=step, compute_time=compute, comm_time=comm_time,
         peak_memory=peak, memory=memory, fallbacks=[tuple(f) for f in fallbacks],
         gaps=[dataclasses.asdict(g) for g in gaps],

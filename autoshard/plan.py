@@ -16,37 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from torch.distributed.tensor import Partial, Replicate, Shard
-
 from autoshard.errors import PlanError, PlanMismatchError
+from autoshard.notation import parse_placements  # noqa: F401  (read back by compile and constraints)
 
 SCHEMA_VERSION = 1
-_PLACEMENT = re.compile(r"^(R|S\((\d+)\)|P)$")
-
-
-def parse_placements(value, ndim: int) -> tuple:
-    """Placements per mesh dim from DTensor placements or strings ("R", "S(0)", "P"); a single
-    placement on a 1-D mesh may be given bare, and the plan's own "(S(0),R)" form is read back."""
-    if isinstance(value, str) and value.startswith("(") and value.endswith(")"):
-        value = value[1:-1].split(",")
-    if not isinstance(value, (list, tuple)):
-        value = [value]
-    if len(value) != ndim:
-        raise ValueError(f"{list(value)} gives {len(value)} placements for a {ndim}-D mesh; give one per mesh dim")
-    out = []
-    for v in value:
-        if isinstance(v, (Replicate, Shard, Partial)):
-            out.append(v)
-            continue
-        m = _PLACEMENT.match(str(v).replace(" ", ""))
-        if not m:
-            raise ValueError(f"unknown placement {v!r}; use Replicate(), Shard(d), Partial() or 'R', 'S(d)', 'P'")
-        out.append(Replicate() if v == "R" else Partial() if v == "P" else Shard(int(m.group(2))))
-    return tuple(out)
 
 
 @dataclass

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from dataclasses import dataclass
+
+from autoshard.notation import split_top
 
 PHASES = {"input": "parameters and inputs", "fwd": "forward", "bwd": "backward", "optim": "optimizer"}
 _PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
@@ -68,17 +69,13 @@ def _groups(text: str) -> list[str]:
     return out
 
 
-def _split_top(text: str) -> list[str]:
-    return [p for p in re.split(r",(?![^(]*\))", text) if p]
-
-
 def parse_strategy(strategy: str, ndim: int) -> tuple[list[list[str]], list[list[str]]] | None:
     """"(S(0),R),(R,R)->(S(0),R)" -> (inputs, outputs), each a list of per-mesh-dim placements;
     None when the string has another form."""
     if "->" not in strategy:
         return None
     lhs, rhs = strategy.split("->", 1)
-    ins, outs = [_split_top(g) for g in _groups(lhs)], [_split_top(g) for g in _groups(rhs)]
+    ins, outs = [split_top(g) for g in _groups(lhs)], [split_top(g) for g in _groups(rhs)]
     if any(len(p) != ndim for p in ins + outs):
         return None
     return ins, outs
@@ -93,7 +90,7 @@ def output_placement(strategy: str) -> str:
 def placement_colour(placement: str) -> str:
     if not placement:
         return _UNPLANNED
-    if all(p == "R" for p in _split_top(placement.strip("()"))):
+    if all(p == "R" for p in split_top(placement.strip("()"))):
         return _REPLICATED
     return _PALETTE[int(hashlib.sha256(placement.encode()).hexdigest(), 16) % len(_PALETTE)]
 
@@ -267,7 +264,7 @@ def summary_text(plan, max_rows: int | None = 40, width: int = 160) -> str:
 
 def shard_factor(plan, placements: str) -> int:
     f = 1
-    for p, m in zip(_split_top(placements.strip("()")), plan.mesh_shape):
+    for p, m in zip(split_top(placements.strip("()")), plan.mesh_shape):
         f *= m if p.startswith("S") else 1
     return f
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch
 from autoshard.errors import NoShardingRuleError
+from autoshard.notation import placement_str, placements_str  # noqa: F401  (placement_str: the strategies' notation)
 
 META_KEY = "autoshard.strategies"
 Placements = tuple[Placement, ...]
@@ -54,8 +55,7 @@ class Strategy:
 
     @cached_property
     def text(self) -> str:
-        fmt = lambda p: "-" if p is None else "(" + ",".join(placement_str(x) for x in p) + ")"  # noqa: E731
-        return ",".join(fmt(p) for p in self.inputs) + "->" + ",".join(fmt(p) for p in self.outputs)
+        return ",".join(map(placements_str, self.inputs)) + "->" + ",".join(map(placements_str, self.outputs))
 
     def __str__(self) -> str:
         return self.text
@@ -66,16 +66,6 @@ class NodeStrategies:
     strategies: list[Strategy] = field(default_factory=list)
     fallback: str | None = None              # why the op was planned replicated, if it was
     alias_of: tuple[fx.Node, int] | None = None  # getitem: (producer, output index)
-
-
-def placement_str(p: Placement) -> str:
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Shard) and type(p) is Shard:
-        return f"S({p.dim})"
-    if isinstance(p, Partial):
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-    return repr(p)
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:

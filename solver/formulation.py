@@ -57,6 +57,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import costmodel
 from autoshard.errors import ConstraintError
+from autoshard.notation import parse_placements
 from autoshard.passes.annotate import META_KEY as COST_KEY, feeds_only_grads, is_free
 from autoshard.passes.coarsen import FOLLOW_KEY, LAYER_KEY
 from autoshard.passes.regions import META_KEY as REGION_KEY, split_dims
@@ -156,8 +157,6 @@ class Problem:
 
 
 def _parse_placements(value, ndim: int, what: str):
-    from autoshard.plan import parse_placements
-
     try:
         return parse_placements(value, ndim)
     except (ValueError, TypeError) as exc:
