@@ -18,7 +18,7 @@ from autoshard import _torch, costmodel
 from autoshard.cluster import Cluster
 from autoshard.errors import (ClusterError, ConstraintError, CutoffError, InfeasibleError, PlanMismatchError,
                               SolverError, TraceError)
-from autoshard.passes.annotate import META_KEY as COST_KEY, annotate
+from autoshard.passes.annotate import META_KEY as COST_KEY, annotate, tensor_bytes
 from autoshard.passes.coverage import coverage_gaps, report_gaps
 from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
 from autoshard.passes.regions import untied
@@ -341,7 +341,7 @@ def _state_detail(traced, choice, cluster, storage: dict, micro_batches: int = 1
     """Per-device bytes of the persistent state, itemized (the ILP's "state" is their sum)."""
     mesh = cluster.mesh_shape
     local = lambda node, at=None: costmodel.local_bytes(  # noqa: E731
-        costmodel.tensor_nbytes(_val(node, 0)), choice[at or node].outputs[0], mesh)
+        tensor_bytes(_val(node, 0)), choice[at or node].outputs[0], mesh)
     params = sum(local(node, storage[node]) for _, node in traced.params)
     trained = sum(local(node, storage[node]) for name, node in traced.params if traced.grads.get(name) is not None)
     detail = {"params": params,
@@ -353,7 +353,7 @@ def _state_detail(traced, choice, cluster, storage: dict, micro_batches: int = 1
               "inputs": sum(local(node) for node in traced.inputs)}
     if micro_batches > 1:  # gradients accumulated unreduced, where backward makes them (solver/memory.py)
         detail["grad_accumulation"] = sum(
-            costmodel.local_bytes(costmodel.tensor_nbytes(_val(u, k)), choice[u].outputs[k], mesh)
+            costmodel.local_bytes(tensor_bytes(_val(u, k)), choice[u].outputs[k], mesh)
             for u, k in (value_of(g) for g in traced.grads.values() if g is not None))
     return detail
 

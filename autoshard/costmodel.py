@@ -173,4 +173,3 @@ def grad_bucket_move(shape, src, dst, mesh_shape):
     return how
 
 
-tensor_nbytes = tensor_bytes  # bytes of a tensor (or of the tensors in a tuple); 0 for anything else

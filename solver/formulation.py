@@ -58,7 +58,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autoshard import costmodel
 from autoshard.errors import ConstraintError
 from autoshard.notation import parse_placements
-from autoshard.passes.annotate import META_KEY as COST_KEY, feeds_only_grads, is_free
+from autoshard.passes.annotate import META_KEY as COST_KEY, feeds_only_grads, is_free, tensor_bytes
 from autoshard.passes.coarsen import FOLLOW_KEY, LAYER_KEY
 from autoshard.passes.regions import META_KEY as REGION_KEY, split_dims
 from autoshard.passes.strategies import META_KEY, per_strategy_list, tensor_inputs, value_of
@@ -236,8 +236,8 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     # storage -> working placement: one gather per step (not per micro-batch: the copy is kept)
     # (under a mixed-precision policy the gather moves the compute dtype: autoshard/runtime.py)
     for p, st in storage.items():
-        full = costmodel.tensor_nbytes(p.meta["val"])
-        moves = min(full, costmodel.tensor_nbytes(p.meta["val"], param_dtype)) if param_dtype else full
+        full = tensor_bytes(p.meta["val"])
+        moves = min(full, tensor_bytes(p.meta["val"], param_dtype)) if param_dtype else full
         problem.edges.append(Edge(st, 0, p, [s.outputs[0] for s in p.meta[META_KEY].strategies], moves,
                                   kind="gather", overlap=True, block=block[p], kept=full))
     params = {node for _, node in traced.params}
@@ -267,15 +267,15 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
             aligned = param_view or follows
             if aligned and u in moved and len(args) == 1:
                 moved.add(v)
-            problem.edges.append(Edge(u, k, v, dst_in, costmodel.tensor_nbytes(arg.meta["val"]), aligned=aligned,
+            problem.edges.append(Edge(u, k, v, dst_in, tensor_bytes(arg.meta["val"]), aligned=aligned,
                                       slices=follows, overlap=u in moved and not aligned, block=block[v],
                                       weight=micro_batches,
-                                      reduce_nbytes=costmodel.tensor_nbytes(arg.meta["val"], reduce_dtype)
+                                      reduce_nbytes=tensor_bytes(arg.meta["val"], reduce_dtype)
                                       if v in to_grads else None))
     for out in traced.outputs:
         if out is not None:
             u, k = value_of(out)
-            problem.edges.append(Edge(u, k, None, None, costmodel.tensor_nbytes(out.meta["val"]), rep, "output",
+            problem.edges.append(Edge(u, k, None, None, tensor_bytes(out.meta["val"]), rep, "output",
                                       weight=micro_batches))
     params = dict(traced.params)
     for name, grad in traced.grads.items():
@@ -283,9 +283,9 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
             u, k = value_of(grad)
             p = params[name]
             problem.edges.append(Edge(u, k, storage[p], [s.outputs[0] for s in p.meta[META_KEY].strategies],
-                                      costmodel.tensor_nbytes(grad.meta["val"], reduce_dtype), kind="grad",
+                                      tensor_bytes(grad.meta["val"], reduce_dtype), kind="grad",
                                       overlap=True, block=block[u],  # to_storage moves it in reduce_dtype
-                                      kept=costmodel.tensor_nbytes(grad.meta["val"])))
+                                      kept=tensor_bytes(grad.meta["val"])))
     problem.ties = _token_local_ties(problem, cluster.ndim)
     return problem
 

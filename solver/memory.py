@@ -169,7 +169,7 @@ class MemoryModel:
 def _outputs_bytes(node: fx.Node) -> list[float]:
     val = node.meta["val"]
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    return [costmodel.tensor_nbytes(v) for v in vals]
+    return [tensor_bytes(v) for v in vals]
 
 
 def _local_outputs(node: fx.Node, mesh_shape) -> list[float]:
@@ -198,7 +198,7 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
         # at its storage placement: a frozen parameter has no gradient and no optimizer state
         factor = 2.0 + optimizer_factor if name in trained else 1.0
         mm.state[problem.storage[node]] = [b * factor for b in local_outputs(node)]
-        mm.held.append((problem.storage[node], node, costmodel.tensor_nbytes(node.meta["val"])))
+        mm.held.append((problem.storage[node], node, tensor_bytes(node.meta["val"])))
     for node in [*traced.inputs, *(node for _, node in traced.buffers)]:
         mm.state[node] = local_outputs(node)
     if problem.micro_batches > 1:
