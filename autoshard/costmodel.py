@@ -171,5 +171,3 @@ def grad_bucket_move(shape, src, dst, mesh_shape):
     if how is None or not (splits_evenly(shape, src, mesh_shape) and splits_evenly(shape, dst, mesh_shape)):
         return None
     return how
-
-
