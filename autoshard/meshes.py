@@ -53,18 +53,19 @@ from collections.abc import Sequence
 
 from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, ConstraintError, CutoffError, InfeasibleError, SolverError
+from autoshard.roles import allow_for
 
 # the dim names of a pruned 3-D candidate (its outer dim is data parallel; see the rule above)
 DATA_NAMES = ("data", "outer", "inner")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _near_square(g: int) -> tuple[int, int]:
+def near_square(g: int) -> tuple[int, int]:
     """(x, y) with x * y = g, x >= y, as square as possible."""
-    y = max(d for d in _divisors(g) if d * d <= g)
+    y = max(d for d in divisors(g) if d * d <= g)
     return g // y, y
 
 
@@ -78,7 +79,7 @@ def candidates(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[str, ...]]
     out = [(tuple(cluster.mesh_shape), tuple(cluster.mesh_dim_names))]
     if world > 1:
         out.append(((world,), _names((world,))))
-    for k in _divisors(world)[1:-1]:
+    for k in divisors(world)[1:-1]:
         if per_node % k == 0 or k % per_node == 0:
             out.append(((world // k, k), _names((world // k, k))))
     nodes = world // per_node if world % per_node == 0 else 1
@@ -88,7 +89,7 @@ def candidates(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[str, ...]]
         if nodes >= 4 and nodes % 2 == 0:
             out.append(((nodes // 2, 2, per_node), DATA_NAMES))
     if nodes == 1 and per_node % 8 == 0 and world == per_node:
-        x, y = _near_square(per_node // 2)
+        x, y = near_square(per_node // 2)
         out.append(((2, y, x), DATA_NAMES))
     seen, unique = set(), []
     for shape, names in out:
@@ -100,9 +101,7 @@ def candidates(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[str, ...]]
 
 
 def allow_data_outer(traced, allow):
-    """``allow`` and, on the outer dim, data parallelism only (roles of :mod:`autoshard.baselines`)."""
-    from autoshard.baselines import allow_for
-
+    """``allow`` and, on the outer dim, data parallelism only (:mod:`autoshard.roles`)."""
     data = allow_for(traced, ("data", "free", "free"))
     return data if allow is None else (lambda node, s: allow(node, s) and data(node, s))
 

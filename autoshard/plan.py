@@ -146,14 +146,14 @@ class Plan:
     def to_dot(self) -> str:
         """Graphviz DOT: nodes coloured by output placement, collectives on the edges into
         their consumer, recomputed nodes dashed."""
-        from autoshard import report
+        from autoshard import report_html
 
-        return report.to_dot(self)
+        return report_html.to_dot(self)
 
     def to_html(self, *, max_rows: int | None = 200) -> str:
-        from autoshard import report
+        from autoshard import report_html
 
-        return report.to_html(self, max_rows=max_rows)
+        return report_html.to_html(self, max_rows=max_rows)
 
     def save_html(self, path, *, max_rows: int | None = 200) -> None:
         """One self-contained HTML file (no network, no scripts): the graph as inline SVG, the

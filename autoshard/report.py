@@ -347,9 +347,6 @@ def diff_text(d, max_rows: int = 100, width: int = 160) -> str:
     return console.export_text()
 
 
-# The graph, DOT and HTML renderings (imported last: they build on the helpers above).
-from autoshard.report_html import memory_timeline, to_dot, to_html  # noqa: E402,F401
-
 
 def gaps_table(plan):
     """The nodes whose strategies replicate an input that could stay sharded (passes/coverage.py)."""

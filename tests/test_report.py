@@ -250,7 +250,7 @@ def test_html_derives_a_timeline_without_one(plans):
     p.memory_timeline, p.memory_limit, p.edges = [], None, []
     parser = _check_html(p.to_html())
     assert parser.svgs == ["memory-plot", "plan-graph"] and ("line", "cap") not in parser.classes
-    from autoshard.report import memory_timeline
+    from autoshard.report_html import memory_timeline
 
     line, derived = memory_timeline(p)
     assert derived and max(b for _, b in line) == pytest.approx(p.peak_memory)
