@@ -20,19 +20,21 @@ import inspect
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 OUT_KINDS = {".json": "json", ".html": "html", ".htm": "html", ".dot": "dot", ".gv": "dot"}
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_bytes(text: str) -> float:
-    """"40GB" -> 4e10, "80GiB" -> 80 * 2**30, "1e9" -> 1e9 bytes."""
+    """"40GB" -> 4e10, "80GiB" -> 80 * 2**30, "1.5e10B" -> 1.5e10 bytes. The unit is required: a
+    bare "40" (meant as GB, read as bytes) would plan for a cap no model fits."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"--memory-limit {text!r}: give a positive size such as 40GB, 80GiB or 1.5e10 "
-                         f"(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        raise ValueError(f"--memory-limit {text!r}: give a positive size with its unit, such as 40GB, 80GiB or "
+                         f"1.5e10B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
@@ -151,9 +153,15 @@ def _write(plan, paths: list[str]) -> None:
 
 
 def _check_outs(paths: list[str]) -> None:
+    """Before planning: a plan that cannot be written is a plan lost."""
     for path in paths:
         if Path(path).suffix.lower() not in OUT_KINDS:
             raise ValueError(f"--out {path!r}: the file name must end in .json, .html or .dot")
+        folder = Path(path).parent
+        if not folder.is_dir():
+            raise ValueError(f"--out {path!r}: no folder {str(folder)!r}; create it first")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--out {path!r}: folder {str(folder)!r} is not writable")
 
 
 def cmd_plan(args) -> int:
@@ -274,17 +282,34 @@ def _zoo_names() -> list[str]:
         return ["gpt-tiny", "gpt2", "mlp"]
 
 
+# The library's hints name its Python arguments; on the command line they are flags.
+_FLAGS = {r"\bmemory_limit\b": "--memory-limit", r"\btime_limit\b": "--time-limit",
+          r"\ballow recompute\b": "drop --no-recompute"}
+
+
+def _as_flags(text: str) -> str:
+    for pattern, flag in _FLAGS.items():
+        text = re.sub(pattern, flag, text)
+    return text
+
+
+def _warn(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"autoshard: warning: {_as_flags(str(message).removeprefix('autoshard: '))}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     from autoshard.errors import AutoshardError
 
     args = parser().parse_args(argv)
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn
+            return args.run(args)
     except BrokenPipeError:  # `autoshard show plan.json | head`: stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (AutoshardError, ValueError, OSError) as exc:
-        print(f"autoshard: error: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr)
+        print(f"autoshard: error: {_as_flags(' '.join(str(exc).split())) or type(exc).__name__}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autoshard: interrupted", file=sys.stderr)

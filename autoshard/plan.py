@@ -79,8 +79,11 @@ class Plan:
             d = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise PlanError(f"not a plan file: invalid JSON ({exc})") from exc
-        if not isinstance(d, dict) or d.get("schema") != SCHEMA_VERSION:
-            raise PlanError(f"unsupported plan schema {d.get('schema') if isinstance(d, dict) else None!r}; "
+        if not isinstance(d, dict) or "schema" not in d:
+            raise PlanError("not a plan file: JSON without the 'schema' field every saved plan has "
+                            "(write one with plan.save(path) or 'autoshard plan ... --out FILE.json')")
+        if d["schema"] != SCHEMA_VERSION:
+            raise PlanError(f"unsupported plan schema {d['schema']!r}; "
                             f"this autoshard reads schema {SCHEMA_VERSION}: re-plan the model")
         d.pop("schema")
         try:

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+import autoshard
 from autoshard import cli
 from autoshard.plan import Plan
 
@@ -116,13 +117,13 @@ def test_usage_errors_exit_2(capsys):
     assert info.value.code == 2
 
 
-@pytest.mark.parametrize("text, want", [("40GB", 40e9), ("80GiB", 80 * 2**30), ("1.5e10", 1.5e10),
+@pytest.mark.parametrize("text, want", [("40GB", 40e9), ("80GiB", 80 * 2**30), ("1.5e10B", 1.5e10),
                                         ("512 MiB", 512 * 2**20), ("2tb", 2e12)])
 def test_parse_bytes(text, want):
     assert cli.parse_bytes(text) == want
 
 
-@pytest.mark.parametrize("text", ["40G", "-1GB", "lots", "0"])
+@pytest.mark.parametrize("text", ["40G", "-1GB", "lots", "0", "40", "1.5e10"])   # a size needs its unit
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError, match="memory-limit"):
         cli.parse_bytes(text)
@@ -174,6 +175,26 @@ def test_zoo_and_factory_models(tmp_path, monkeypatch):
 def test_out_suffix_checked_before_planning(tmp_path, capsys):
     assert cli.main(["plan", "gpt-tiny", "--cluster", "cpu", "--out", str(tmp_path / "x.txt")]) == 1
     assert "must end in .json, .html or .dot" in capsys.readouterr().err
+
+
+def test_out_folder_checked_before_planning(tmp_path, capsys, monkeypatch):
+    planned = []
+    monkeypatch.setattr(autoshard, "plan", lambda *a, **k: planned.append(a))
+    assert cli.main(["plan", "gpt-tiny", "--cluster", "cpu", "--out", str(tmp_path / "no" / "x.json")]) == 1
+    assert "no folder" in capsys.readouterr().err and not planned
+
+
+def test_json_that_is_not_a_plan_says_so(tmp_path, capsys):
+    (tmp_path / "other.json").write_text('{"name": "a config, not a plan"}')
+    assert cli.main(["show", str(tmp_path / "other.json")]) == 1
+    assert "not a plan file" in capsys.readouterr().err
+
+
+def test_hints_name_flags(capsys):
+    """The infeasibility hint names --memory-limit, as the user typed it, not the Python argument."""
+    assert cli.main(["plan", "gpt-tiny", "--cluster", "local:1", "--memory-limit", "1KB", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "Raise --memory-limit to at least" in err and "memory_limit" not in err, err
 
 
 def test_diff_in_process(runs, capsys):
