@@ -120,12 +120,28 @@ def joint_export(model: torch.nn.Module, args: tuple[Any, ...], user_frame: Call
     is true), so libraries take their traceable paths: transformers' mask helpers, for one, skip
     their checks of mask and position values. Each forward node's ``meta["stack_trace"]`` is the
     model line ``user_frame()`` names at the torch call that made it (AOTAutograd records none)."""
-    from torch.compiler import _compile_session_context
-
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_compile_session_context())
+        stack.enter_context(_compiling())
         stack.enter_context(_SourceLines(user_frame))
         yield aot_export_joint_with_descriptors(stack, model, args)
+
+
+@contextlib.contextmanager
+def _compiling():
+    """``torch.compiler.is_compiling()`` true inside: torch 2.13 has a session context for it,
+    torch 2.11 only the module flag it reads."""
+    import torch.compiler as compiler
+
+    if hasattr(compiler, "_compile_session_context"):
+        with compiler._compile_session_context():
+            yield
+        return
+    before = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = before
 
 
 class _SourceLines(torch.overrides.TorchFunctionMode):

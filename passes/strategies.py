@@ -309,10 +309,12 @@ def _from_op_strategy(node, func, mesh, schema_info, options) -> list:
     out = func(_torch.OpSchema(node.target, args, kwargs, schema_info=schema_info))
     if isinstance(out, _torch.TupleStrategy):
         raise NotImplementedError(f"tuple strategies for {node.target}")
-    n_in = len(tensor_inputs(node))
+    n_in, n_out = len(tensor_inputs(node)), len(_tensor_vals(node.meta["val"]))
     result = []
     for spec in out.strategies:
-        outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
+        # one spec for an op of several outputs stands for all of them, as DTensor's dispatch reads
+        # it (torch 2.11's layer-norm rule gives one for output, mean and rstd)
+        outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,) * n_out
         outs = tuple(None if o is None else tuple(o.placements) for o in outs)
         if spec.input_specs is None:
             ins = (outs[0],) * n_in
