@@ -9,8 +9,8 @@ Plans (8 named; :func:`build_plans`): the free plan; DDP, FSDP and Megatron tens
 each as ``autoshard.baselines.plan_baseline`` writes it (parameter storage and use pinned per
 role, activations left to the solver), and FSDP and Megatron with full activation recompute;
 the free plan with full recompute (``recompute="full"``); the free plan under a tight memory cap
-(0.7 of the free plan's predicted peak, else the next cap that compiles). A plan the rewrite
-cannot lower is reported under ``compile_failures`` and left out of the statistics.
+(0.7 of the free plan's predicted peak, else the next feasible cap of ``TIGHT_CAPS``). Every plan
+must compile: one the rewrite cannot lower fails the run, naming the plan.
 
 Measured, per plan, on every rank, with every plan compiled up front and the timed samples
 interleaved round-robin (a burst of load from the shared host lands on all plans alike):
@@ -68,8 +68,7 @@ PINS = {
 }
 STATE = ("params", "working_params", "grads", "optimizer", "buffers", "inputs")   # plan.memory's persistent parts
 PROBE, PROBE_REPEATS = 512, 3   # the load probe around every sample: ~8 ms of fp32 matmul on one core
-# more hand plans, so that six or more run while some plans hit a rewrite bug (see the report)
-EXTRA = ("fsdp+recompute", "megatron+recompute")
+EXTRA = ("fsdp+recompute", "megatron+recompute")   # hand plans with full activation recompute
 TIGHT_CAPS = (0.7, 0.75, 0.65, 0.8, 0.6)   # the tight plan's cap, a fraction of the free plan's peak
 
 
@@ -104,23 +103,19 @@ def _probe(a, b) -> float:
     return (time.perf_counter() - t0) / PROBE_REPEATS
 
 
-def measure_job(size: str, plans: dict[str, list[str]], warmup: int, samples: int, steps: int) -> dict:
-    """Compile every plan (of each name's candidates, the first that compiles), time
-    interleaved steps, then one tracked step per plan."""
+def measure_job(size: str, plans: dict[str, str], warmup: int, samples: int, steps: int) -> dict:
+    """Compile every plan, time interleaved steps, then one tracked step per plan."""
     model, inputs = _model(size)
-    runs, used, failed = {}, {}, {}
-    for name, candidates in plans.items():
-        for k, text in enumerate(candidates):
-            plan = autoshard.Plan.from_json(text)   # a baseline's mesh names its dims by role: its own cluster
-            try:  # compile fails alike on every rank (it is deterministic), before any step runs
-                dm = autoshard.compile(model, autoshard.Cluster.from_json(plan.cluster), inputs, plan=plan)
-            except Exception as exc:  # noqa: BLE001 - reported with the results, not hidden
-                failed.setdefault(name, []).append(f"candidate {k}: {type(exc).__name__}: {str(exc)[:300]}")
-                continue
-            # foreach=False: the update's temporaries stay per parameter, as a fused kernel's would
-            opt = torch.optim.AdamW(dm.parameters(), lr=1e-4, foreach=False)
-            runs[name], used[name] = (dm, opt, dm.shard_inputs(*inputs)), k
-            break
+    runs = {}
+    for name, text in plans.items():
+        plan = autoshard.Plan.from_json(text)   # a baseline's mesh names its dims by role: its own cluster
+        try:
+            dm = autoshard.compile(model, autoshard.Cluster.from_json(plan.cluster), inputs, plan=plan)
+        except Exception as exc:
+            raise RuntimeError(f"plan {name!r} does not compile") from exc
+        # foreach=False: the update's temporaries stay per parameter, as a fused kernel's would
+        opt = torch.optim.AdamW(dm.parameters(), lr=1e-4, foreach=False)
+        runs[name] = (dm, opt, dm.shard_inputs(*inputs))
 
     def step(name):
         dm, opt, local = runs[name]
@@ -159,7 +154,7 @@ def measure_job(size: str, plans: dict[str, list[str]], warmup: int, samples: in
     # per sample the slower rank sets the step; the fuller rank sets the memory
     for t in (fb, up, probe, peaks, state):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"names": names, "used": used, "failed": failed, "fb_s": fb.tolist(), "opt_s": up.tolist(),
+    return {"names": names, "fb_s": fb.tolist(), "opt_s": up.tolist(),
             "probe_s": probe.tolist(), "peak_op": peak_ops,
             "peak_bytes": peaks.tolist(), "state_bytes": state.tolist()}
 
@@ -179,28 +174,26 @@ def step_estimates(samples_s, probes_s, calibrated_flops: float) -> tuple[list[f
 
 
 # --- in the driver -----------------------------------------------------------------------------------
-def build_plans(size: str, cluster) -> dict[str, list[autoshard.Plan]]:
-    """Each of the six plans as a list of candidates (the first that compiles runs). DDP, FSDP
-    and Megatron are autoshard.baselines' hand strategies (parameter storage and use pinned per
-    role, activations left to the solver) on the same ILP. The tight plan's candidates are caps
-    of TIGHT_CAPS times the free plan's peak, in order: some caps give plans the rewrite cannot
-    lower yet (a ``view`` of a gathered attention output; see the report), reported, not hidden."""
+def build_plans(size: str, cluster) -> dict[str, autoshard.Plan]:
+    """The eight plans. DDP, FSDP and Megatron are autoshard.baselines' hand strategies (parameter
+    storage and use pinned per role, activations left to the solver) on the same ILP. The tight
+    plan's cap is the first of TIGHT_CAPS times the free plan's peak that the solver can meet."""
     from autoshard.baselines import plan_baseline
 
     model, inputs = _model(size)
     traced = autoshard.trace(model, inputs)
-    plans = {"free": [autoshard.plan(traced, cluster)]}
-    for name in PINS:
-        plans[name] = [plan_baseline(traced, cluster, name)]
-    for name in EXTRA:
-        plans[name] = [plan_baseline(traced, cluster, name)]
-    plans["full_recompute"] = [autoshard.plan(traced, cluster, recompute="full")]
-    plans["tight"] = []
+    plans = {"free": autoshard.plan(traced, cluster)}
+    for name in (*PINS, *EXTRA):
+        plans[name] = plan_baseline(traced, cluster, name)
+    plans["full_recompute"] = autoshard.plan(traced, cluster, recompute="full")
     for fraction in TIGHT_CAPS:
         try:
-            plans["tight"].append(autoshard.plan(traced, cluster, memory_limit=fraction * plans["free"][0].peak_memory))
+            plans["tight"] = autoshard.plan(traced, cluster, memory_limit=fraction * plans["free"].peak_memory)
+            break
         except InfeasibleError:
             continue
+    else:
+        raise InfeasibleError(f"no tight cap of {TIGHT_CAPS} x the free plan's peak is feasible")
     return plans
 
 
@@ -239,10 +232,9 @@ def run(size: str = "small", *, calibration: Path | None = None, recalibrate: bo
     t1 = time.perf_counter()
     plans = build_plans(size, cluster)
     t2 = time.perf_counter()
-    measured = run_local(measure_job, 2, size, {n: [p.to_json() for p in ps] for n, ps in plans.items()},
+    measured = run_local(measure_job, 2, size, {n: p.to_json() for n, p in plans.items()},
                          warmup, samples, steps, timeout=timeout)[0]
     names = measured["names"]
-    plans = {n: plans[n][k] for n, k in measured["used"].items()}
     flops = cluster.device.flops("float32")
     whole = [[a + b for a, b in zip(fb, up)] for fb, up in zip(measured["fb_s"], measured["opt_s"])]
     median, normalized = step_estimates(whole, measured["probe_s"], flops)
@@ -276,7 +268,7 @@ def run(size: str = "small", *, calibration: Path | None = None, recalibrate: bo
             "spearman_step": rho, "spearman_step_plain_median": rho_median,
             "probe_flops": probe_flops, "load_factor": cluster.device.flops("float32") / probe_flops,
             "max_abs_mem_err": max(abs(r["mem_err"]) for r in rows),
-            "rows": rows, "compile_failures": measured["failed"], "timing": {"calibrate_s": t1 - t0, "plan_s": t2 - t1, "measure_s": time.perf_counter() - t2},
+            "rows": rows, "timing": {"calibrate_s": t1 - t0, "plan_s": t2 - t1, "measure_s": time.perf_counter() - t2},
             "method": {"warmup": warmup, "samples": samples, "steps_per_sample": steps,
                        "memory_tracker": "autoshard.memtrack.PeakMemory (TorchDispatchMode, live storage bytes)"}}
 

@@ -38,8 +38,10 @@ def _operands(plan: Plan, k: int) -> list[list[str]]:
     return out
 
 
-def _weight_operands(plan: Plan) -> list[list[str]]:
-    return _operands(plan, -1)
+def _weight_operands(plan: Plan, model) -> list[list[str]]:
+    out = _operands(plan, -1)
+    assert len(out) == len(model.layers), out   # one forward matmul per Linear
+    return out
 
 
 def _cluster(nodes: int, gpus: int) -> Cluster:
@@ -101,34 +103,42 @@ def test_compare_names_and_free_plan_no_slower(small):
 
 def test_baselines_follow_their_definitions(small):
     model, _, cluster, plans = small
+    params = {n for n, _ in model.named_parameters()}
     mats = {n for n, p in model.named_parameters() if p.ndim >= 2}
+    assert len(mats) == len(model.layers)
+    for name in ("ddp", "fsdp", "hsdp", "megatron", "tp_fsdp", "axonn_4d"):   # each storage check sees every parameter
+        assert set(plans[name].storage) == params, name
 
     ddp = plans["ddp"]
     assert set(ddp.storage.values()) == {"(R)"} and ddp.inputs == ["(S(0))"] * 2
-    assert all(w == ["R"] for w in _weight_operands(ddp))
+    assert all(w == ["R"] for w in _weight_operands(ddp, model))
 
     fsdp = plans["fsdp"]
     assert all(_pl(pl)[0].startswith("S") for pl in fsdp.storage.values())
-    assert all(w == ["R"] for w in _weight_operands(fsdp))
+    assert all(w == ["R"] for w in _weight_operands(fsdp, model))
 
     hsdp = plans["hsdp"]                                   # (dp, fsdp): replicated across, sharded within
     assert tuple(hsdp.mesh_dim_names) == ("dp", "fsdp")
     assert all(_pl(pl)[0] == "R" and _pl(pl)[1].startswith("S") for pl in hsdp.storage.values())
 
+    roles = set()
     for name in ("megatron", "tp_fsdp"):
         p = plans[name]
         tp = p.mesh_dim_names.index("tp")
         assert all(_pl(pl)[tp].startswith("S") for k, pl in p.storage.items() if k in mats)
-        assert all(w[tp].startswith("S") for w in _weight_operands(p))
+        assert all(w[tp].startswith("S") for w in _weight_operands(p, model))
         if "dp" in p.mesh_dim_names:
+            roles.add("dp")
             assert all(_pl(pl)[p.mesh_dim_names.index("dp")] == "R" for pl in p.storage.values())
         if "fsdp" in p.mesh_dim_names:
+            roles.add("fsdp")
             assert all(_pl(pl)[p.mesh_dim_names.index("fsdp")].startswith("S") for k, pl in p.storage.items()
                        if k in mats)
+    assert roles == {"dp", "fsdp"}, "a 2-D grid's outer role went unchecked"   # both keep a (2, 2) grid here
 
     axonn = plans["axonn_4d"]                              # weights as 2-D blocks over (y, x)
     assert tuple(axonn.mesh_dim_names) == ("y", "x")
-    for w in _weight_operands(axonn):
+    for w in _weight_operands(axonn, model):
         assert w[0].startswith("S") and w[1].startswith("S") and w[0] != w[1]
 
 

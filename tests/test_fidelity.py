@@ -1,5 +1,6 @@
 """The fidelity benchmark's parts against hand-computed truths, and the whole harness once at a
-tiny size on 2 gloo ranks (so it cannot rot). Nothing here asserts a timing."""
+tiny size on 2 gloo ranks (so it cannot rot). Nothing here asserts a timing: how well predicted
+step times rank the measured ones is bench/fidelity.py's figure (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -76,30 +77,28 @@ def test_normalized_estimate_undoes_the_load_its_probe_saw():
 
 
 # --- the harness end to end ----------------------------------------------------------------------
+PLANS = ["free", "ddp", "fsdp", "megatron", "fsdp+recompute", "megatron+recompute", "full_recompute", "tight"]
+SAMPLES = 2   # interleaved rounds: the harness's shape, not its timings, is under test here
+
+
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     path = tmp_path_factory.mktemp("fidelity") / "cluster.json"
     # the built-in CPU figures stand in for a calibration (that is bench/fidelity.py's job, and
     # tests/test_calibrate.py's)
     path.write_text(Cluster.local(2).to_json())
-    return fidelity.run("tiny", calibration=path, warmup=1, samples=2, steps=1, timeout=600)
+    return fidelity.run("tiny", calibration=path, warmup=1, samples=SAMPLES, steps=1, timeout=600)
 
 
 @pytest.mark.world(2)
-def test_harness_runs_six_plans_on_two_ranks(tiny_report):
+def test_harness_runs_every_plan_on_two_ranks(tiny_report):
     rows = {r["plan"]: r for r in tiny_report["rows"]}
-    named = ["free", "ddp", "fsdp", "megatron", "fsdp+recompute", "megatron+recompute", "full_recompute", "tight"]
-    assert sorted([*rows, *tiny_report["compile_failures"]]) == sorted(named)
-    assert len(rows) >= 6 and {"free", "full_recompute", "tight"} <= set(rows)
+    assert list(rows) == PLANS
     for name, r in rows.items():
-        assert r["meas_step_ms"] > 0 and r["meas_median_ms"] > 0 and len(r["samples_ms"]) == 2, name
+        assert r["meas_step_ms"] > 0 and r["meas_median_ms"] > 0 and len(r["samples_ms"]) == SAMPLES, name
         assert r["meas_peak_mib"] * 2**20 >= r["meas_state_bytes"] > 0, name
     assert rows["full_recompute"]["recomputed"] > 0 and rows["tight"]["memory_limit"] < rows["free"]["pred_peak_mib"] * 2**20
-    if "fsdp" in rows:
-        assert rows["fsdp"]["storage"] != ["(R)"]
-    if "ddp" in rows:
-        assert rows["ddp"]["storage"] == ["(R)"]
-    assert -1 <= tiny_report["spearman_step"] <= 1
+    assert rows["fsdp"]["storage"] != ["(R)"] and rows["ddp"]["storage"] == ["(R)"]
     json.dumps(tiny_report)
     assert "Spearman" in fidelity.table(tiny_report)
 
@@ -109,5 +108,6 @@ def test_measured_state_is_what_the_plan_counts(tiny_report):
     """Parameters, gradients, AdamW state and the input shards the ranks hold between steps,
     counted by the tracker, equal the plan's params + working copies + grads + optimizer + buffers
     + inputs."""
+    assert [r["plan"] for r in tiny_report["rows"]] == PLANS
     for r in tiny_report["rows"]:
         assert r["meas_state_bytes"] == pytest.approx(r["pred_state_bytes"], rel=0.01), r["plan"]

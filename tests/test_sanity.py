@@ -73,18 +73,22 @@ def _mirrored(plan: Plan, traced, cluster: Cluster) -> Plan:
 
 
 def test_large_batch_one_node_is_data_parallel():
-    _, traced = _meta_mlp((1024, 1024, 1024, 1024), 65536)
+    model, traced = _meta_mlp((1024, 1024, 1024, 1024), 65536)
     p = autoshard.plan(traced, _cluster(1, 8))
-    assert all(set(w) == {"R"} for w in _operands(p, -1))      # every rank computes with whole weights
-    assert all(x == ["R", "S(0)"] for x in _operands(p, -2))    # on its share of the batch
+    weights, acts = _operands(p, -1), _operands(p, -2)
+    assert len(weights) == len(acts) == len(model.layers)      # one forward matmul per Linear
+    assert all(set(w) == {"R"} for w in weights)                # every rank computes with whole weights
+    assert all(x == ["R", "S(0)"] for x in acts)                # on its share of the batch
     assert not _tp_all_reduces(p)
 
 
 def test_tiny_batch_big_model_uses_tensor_parallelism_in_node():
-    _, traced = _meta_mlp((8192, 32768, 32768, 8192), 8)
+    model, traced = _meta_mlp((8192, 32768, 32768, 8192), 8)
     p = autoshard.plan(traced, _cluster(1, 8))
-    assert all(w[1].startswith("S") for w in _operands(p, -1))  # weights split over the node's GPUs
-    assert all(x[0] == "R" for x in _operands(p, -2))             # one node: nothing on the node dim
+    weights, acts = _operands(p, -1), _operands(p, -2)
+    assert len(weights) == len(acts) == len(model.layers)
+    assert all(w[1].startswith("S") for w in weights)          # weights split over the node's GPUs
+    assert all(x[0] == "R" for x in acts)                       # one node: nothing on the node dim
 
 
 def test_tensor_parallel_all_reduce_crosses_nodes_only_when_cheaper():
@@ -94,17 +98,18 @@ def test_tensor_parallel_all_reduce_crosses_nodes_only_when_cheaper():
     the hundreds-of-MB weights (or their gradients) over InfiniBand, behind well under a
     millisecond of compute, where the plan moves a megabyte of activations."""
     cluster = _cluster(2, 2)
-    seen = 0
+    crossed = 0
     for batch in (16, 64):
         _, traced = _meta_mlp((4096, 16384, 4096), batch)
         p = autoshard.plan(traced, cluster, memory_limit=80e9)
         tp = [(name, d) for name, d, k in _tp_all_reduces(p) if k <= cluster.ranks_per_node]
-        seen += len(tp)
         if any(d == 0 for _, d in tp):
+            crossed += 1
             mirror = _mirrored(p, traced, cluster)
-            assert all(d == 1 for _, d, k in _tp_all_reduces(mirror) if k <= cluster.ranks_per_node)
+            moved = [(name, d) for name, d, k in _tp_all_reduces(mirror) if k <= cluster.ranks_per_node]
+            assert moved == [(name, 1 - d) for name, d in tp], (batch, tp, moved)
             assert mirror.step_time > p.step_time, (batch, tp, mirror.step_time, p.step_time)
-    assert seen, "expected tensor parallelism of degree 2 at these batches"
+    assert crossed, "no degree-2 tensor-parallel all-reduce crossed nodes: no plan was compared with its mirror"
 
 
 def test_storage_sharded_when_replicated_state_does_not_fit():
