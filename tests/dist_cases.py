@@ -92,8 +92,10 @@ def one_case(kind: str, mesh_shape, constraints, lr: float = 0.1) -> dict:
     err["storage"] = dict(dm.plan.storage)
     err["gathered_once"] = len(dm._working)  # parameters computed with a kept working copy
     err["inputs"] = list(dm.plan.inputs)
-    err["is_dtensor"] = all(isinstance(p, torch.distributed.tensor.DTensor) for p in dm.parameters())
-    err["names"] = sorted(n for n, _ in dm.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
+    params = list(dm.parameters())
+    err["is_dtensor"] = bool(params) and all(isinstance(p, torch.distributed.tensor.DTensor) for p in params)
+    names = sorted(n for n, _ in dm.named_parameters())
+    err["names"] = bool(names) and names == sorted(n for n, _ in ref.named_parameters())
     return err
 
 

@@ -15,9 +15,10 @@ from autoshard.zoo import MLP
 
 
 def test_cluster_size_differs_from_world_size():
-    (msg, _) = run_local(dc.mismatched_world_case, 2, timeout=300)
-    assert msg.startswith("ClusterError"), msg
-    assert "4 devices" in msg and "world size 2" in msg
+    msgs = run_local(dc.mismatched_world_case, 2, timeout=300)
+    for rank, msg in enumerate(msgs):
+        assert msg.startswith("ClusterError"), (rank, msg)
+        assert "4 devices" in msg and "world size 2" in msg, (rank, msg)
 
 
 def test_compile_without_process_group():

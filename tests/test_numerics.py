@@ -8,6 +8,8 @@ launch: process start-up dominates otherwise.
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 
 import dist_cases as dc
@@ -39,19 +41,15 @@ def _check(results, name, pins):
         r = res[name]
         assert r["loss"] < ATOL and r["grad"] < ATOL and r["param"] < ATOL, (rank, name, r)
         assert r["is_dtensor"] and r["names"], (rank, name)
-    storage = results[0][name]["storage"]
-    for pattern, placements in (pins or {}).items():
-        if pattern == "working":  # FSDP gathers at each consumer; ZeRO-2 once per step, kept
-            assert (results[0][name]["gathered_once"] > 0) == (placements != list(pins["*"])), (name, results[0][name])
-            continue
-        if pattern == "inputs":
-            assert results[0][name]["inputs"] == ["(" + ",".join(p) + ")" for p in placements]
-            continue
-        import fnmatch
-
-        for pname, got in storage.items():
-            if fnmatch.fnmatchcase(pname, pattern):
-                assert got == "(" + ",".join(placements) + ")", (pname, got, placements)
+        for pattern, placements in (pins or {}).items():
+            if pattern == "working":  # FSDP gathers at each consumer; ZeRO-2 once per step, kept
+                assert (r["gathered_once"] > 0) == (placements != list(pins["*"])), (rank, name, r)
+            elif pattern == "inputs":
+                assert r["inputs"] == ["(" + ",".join(p) + ")" for p in placements], (rank, name, r["inputs"])
+            else:
+                pinned = {p: got for p, got in r["storage"].items() if fnmatch.fnmatchcase(p, pattern)}
+                assert pinned and set(pinned.values()) == {"(" + ",".join(placements) + ")"}, \
+                    (rank, name, pattern, pinned)
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
@@ -65,8 +63,9 @@ def test_four_ranks_2d_mesh_match_single_device(results_4, name):
 
 
 def test_fsdp_plan_shards_storage(results_2):
-    assert set(results_2[0]["gpt-fsdp"]["storage"].values()) == {"(S(0))"}
-    assert set(results_2[0]["gpt-ddp"]["storage"].values()) == {"(R)"}
+    for rank, res in enumerate(results_2):
+        assert set(res["gpt-fsdp"]["storage"].values()) == {"(S(0))"}, rank
+        assert set(res["gpt-ddp"]["storage"].values()) == {"(R)"}, rank
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +82,12 @@ def test_recompute_plan_trains_with_single_device_numerics(recompute_runs):
 
 
 def test_saved_activations_measured_against_prediction(recompute_runs):
-    for free, tight in recompute_runs:
-        # without recompute the bytes saved for backward are what the plan predicts
-        assert free["measured"] == pytest.approx(free["predicted"], rel=0.10), free
+    for rank, (free, tight) in enumerate(recompute_runs):
         # with partial recompute: less than without, predicted and measured
-        assert tight["measured"] < free["measured"]
-        assert tight["predicted"] < free["predicted"]
-        # a kept view of a gathered input holds the gathered copy, not its base (memory.py:
-        # resharded_view): at this cap the MLP's input views are such, 22% of the saved bytes
-        assert tight["measured"] == pytest.approx(tight["predicted"], rel=0.10), tight
+        assert tight["measured"] < free["measured"] and tight["predicted"] < free["predicted"], (rank, free, tight)
+        # the bytes saved for backward are what the plan predicts, without recompute and with it (a
+        # kept view of a gathered input holds the gathered copy, not its base: memory.py
+        # resharded_view; at this cap the MLP's input views are such, 22% of the saved bytes), but
+        # for 4 bytes: the plan counts both 0-d outputs of nll_loss_forward, backward keeps one
+        for r in (free, tight):
+            assert 0 <= r["predicted"] - r["measured"] <= 4, (rank, r)

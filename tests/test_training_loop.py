@@ -1,31 +1,44 @@
 """The loop users write, on real gloo processes (2 ranks, mesh (2,); 4 ranks, mesh (2, 2)):
-AdamW + LR schedule + gradient clipping over 3 steps, and one step accumulated over K = 4
+AdamW + LR schedule + gradient clipping over 3 steps, and one SGD step accumulated over K = 4
 micro-batches (``no_sync`` and ``grad_accumulation``), in fp32 and under the bf16 policy, each
 against the same loop on one device under the same policy (tests/train_cases.py).
 
-Tolerances. fp32: 1e-5 absolute, as tests/test_numerics.py (the runs differ only in the order
-of fp32 sums); the learning rate is 1e-3 because AdamW divides each gradient by its own size, so
-a near-zero gradient turns a 1e-7 relative difference into a difference of up to lr.
+Tolerances. fp32: 1e-5 absolute on the loss, every gradient element, the norm and every
+parameter, as tests/test_numerics.py (the runs differ only in the order of fp32 sums; measured:
+gradients 1.5e-7, norms 2.4e-7, parameters after the AdamW steps 6.2e-6). The AdamW learning
+rate is 1e-3 because AdamW divides each gradient by its own size, so a near-zero gradient turns a
+1e-7 relative difference into a difference of up to lr. AdamW's and clipping's steps do not see a
+gradient's scale (both divide by it), so gradients and norms are compared before them, and the
+accumulated step is SGD with lr 1: it moves each parameter by its clipped gradient.
+
 bf16 (``MixedPrecision(torch.bfloat16, torch.float32)``): bf16 keeps 8 significant bits. The
 loss is itself a bf16 value, and sums taken in another order (per-rank partial sums, reduced in
 fp32, rounded once) may round a logit, and so the loss, to the neighbouring bf16 number: losses
-must agree to 2 units in the last place of bf16 at the loss's size (2^-6 relative, 0.0625 at a
-loss near 4.8). Gradient norms are fp32 sums of gradients computed in bf16: 2^-6 relative.
-Parameters: the first AdamW step moves every parameter by at most lr (plus weight decay), so a
-bf16 gradient whose sign flips moves it by up to 2 lr; after one (accumulated) step they agree
-within 2 lr, and the fp32 master weights themselves are never rounded to bf16.
+must agree to 2 units in the last place of bf16 at the loss's size (measured: 1). Gradients
+from the same parameters (the first step, the accumulated one) agree to 2 bf16 steps (2 x 2^-8)
+of the largest gradient (measured 0.9 x 2^-8), their norms, fp32 sums of ~10^5 of them whose
+rounding errors average out, to 2^-10 relative (measured 9.4e-5). AdamW's first step moves every
+element by lr whatever its gradient's size, so an element whose bf16 gradient is near zero and
+flips sign ends 2 lr apart: steps 2 and 3 start from parameters that differ, and their gradients
+agree to 2^-4 of the largest (measured 3.9%), their norms to 2^-7 (measured 0.37%); after the
+three steps the parameters' distance from the single device's is at most 5% of how far the steps
+moved them (measured 2.6%: the flipped elements are few). The SGD step moves a parameter by its
+clipped gradient (clipping only shrinks), so it agrees as the gradients do.
 
-Collectives are counted by a dispatch mode on every rank and compared with the plan's edges by
-role: the storage -> working gathers (once per step, on the first micro-batch), the gradient
-moves to storage (once per step, on the synchronizing micro-batch), each bucketed into one flat
-collective per mesh dim and kind, and nothing else outside the graphs. The 2-D setup pins every parameter: a parameter stored ``(S(0), S(0))`` with a gradient
-``(P, S(0))`` takes DTensor two collectives where the cost model counts one (the outer shard of
-a nested pair cannot move without the inner: one reduce-scatter would leave a strided layout).
+Collectives are counted by a dispatch mode on every rank: each micro-batch issues exactly its
+emitted graphs' collectives, the first one adds the storage -> working gathers (once per step)
+and the synchronizing one the gradient moves to storage (once per step), each bucketed into one
+flat collective per mesh dim, kind and dtype; what each setup moves once is read off the module
+and its collectives counted by hand (ONCE). The 2-D setup pins every parameter's storage: a
+parameter stored ``(S(0), S(0))`` with a gradient ``(P, S(0))`` takes DTensor two collectives
+where the cost model counts one (the outer shard of a nested pair cannot move without the inner:
+one reduce-scatter would leave a strided layout).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -35,6 +48,9 @@ from autoshard.launch import run_local
 
 ATOL = 1e-5
 LR32, LR16 = 1e-3, 1e-2
+BF16_GRAD, BF16_GRAD_LATER = 2 * 2**-8, 2**-4   # of the largest gradient
+BF16_NORM, BF16_NORM_LATER = 2**-10, 2**-7      # relative
+BF16_UPDATE = 0.05                               # of the distance the AdamW steps moved the parameters
 
 SETUPS_2 = {
     # name: (mesh, constraints, policy, lr, global batch[, K the plan is priced for]); a batch of
@@ -47,6 +63,26 @@ SETUPS_2 = {
 SETUPS_4 = {
     "2d-ddp-fp32": ((2, 2), "ddp2d", None, LR32, 64),
     "2d-zero_x_tensor-bf16": ((2, 2), "zero_x_tensor", tc.BF16, LR16, 8, 4),
+}
+
+# name: ({(gradient's placements, storage)} of the gradients that move, {(storage, working copy)}
+# of the parameters gathered once per step: what the module holds; the collectives micro-batch 0
+# adds to its graphs', those the synchronizing one adds), counted by hand: one flat collective per
+# kind, mesh dim and dtype (the tiny GPT's 0.4 MB of gradients fit one 64 MiB bucket), so one
+# all-reduce per summed mesh dim, one reduce-scatter for all partial sums on mesh dim 0 into a
+# shard on it (whichever tensor dim), one all-gather for all shards on mesh dim 0 gathered;
+# gradients move in fp32 (the reduce dtype), working copies in the compute dtype.
+F32, B16 = "torch.float32", "torch.bfloat16"
+ONCE = {
+    "ddp-fp32": ({("(P)", "(R)")}, set(), {}, {f"all_reduce_:{F32}": 1}),
+    "megatron-fp32": ({("(P)", "(S(0))"), ("(P)", "(S(1))")}, {("(S(0))", "(R)"), ("(S(1))", "(R)")},
+                      {f"all_gather_into_tensor:{F32}": 1}, {f"reduce_scatter_tensor:{F32}": 1}),
+    "fsdp-bf16-k4": ({("(P)", "(S(0))")}, {("(S(0))", "(R)")},
+                     {f"all_gather_into_tensor:{B16}": 1}, {f"reduce_scatter_tensor:{F32}": 1}),
+    "2d-ddp-fp32": ({("(P,P)", "(R,R)")}, set(), {}, {f"all_reduce_:{F32}": 2}),
+    "2d-zero_x_tensor-bf16": ({("(P,R)", "(S(0),R)"), ("(P,R)", "(S(1),R)"), ("(P,S(0))", "(S(1),S(0))"),
+                               ("(P,S(1))", "(S(0),S(1))")}, {("(S(0),R)", "(R,R)"), ("(S(1),R)", "(R,R)")},
+                              {f"all_gather_into_tensor:{B16}": 1}, {f"reduce_scatter_tensor:{F32}": 1}),
 }
 
 
@@ -63,6 +99,11 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
 
 
+def _off(errors: dict, bounds: dict) -> str:
+    """Every check whose error exceeds its bound, named (not just the first)."""
+    return ", ".join(f"{k} {errors[k]:.3g} > {bounds[k]:.3g}" for k in bounds if not errors[k] <= bounds[k])
+
+
 @pytest.mark.parametrize("world,name", CASES)
 def test_adamw_schedule_and_clipping_track_single_device(runs, world, name):
     setups = SETUPS_2 if world == 2 else SETUPS_4
@@ -73,71 +114,80 @@ def test_adamw_schedule_and_clipping_track_single_device(runs, world, name):
         assert r["param_dtypes"] == ["torch.float32"], (rank, r["param_dtypes"])  # fp32 master weights
         assert s["lr"] == pytest.approx([setups[name][3] / k for k in (2, 3, 4)])  # the schedule ran
         assert s["ref_norm"][0] > tc.MAX_NORM  # clipping clipped
-        for got, want in zip(s["loss"], s["ref_loss"]):
-            assert abs(got - want) <= (2 * _bf16_ulp(want) if bf16 else ATOL), (rank, name, s)
-        for got, want in zip(s["norm"], s["ref_norm"]):
-            assert got == pytest.approx(want, rel=2**-6, abs=0 if bf16 else ATOL), (rank, name, s)
-        if not bf16:
-            assert s["param"] < ATOL, (rank, name, s["param"])
+        errors, bounds = {}, {}
+        for i, want in enumerate(s["ref_norm"]):
+            errors |= {f"loss{i}": abs(s["loss"][i] - s["ref_loss"][i]), f"grad{i}": s["grad"][i],
+                       f"norm{i}": abs(s["norm"][i] - want)}
+            if bf16:  # from step 2 on, the parameters AdamW moved differ (module doc)
+                bounds |= {f"loss{i}": 2 * _bf16_ulp(s["ref_loss"][i]),
+                           f"grad{i}": (BF16_GRAD_LATER if i else BF16_GRAD) * s["grad_scale"][i],
+                           f"norm{i}": (BF16_NORM_LATER if i else BF16_NORM) * want}
+        if bf16:
+            errors["update"], bounds["update"] = s["update"], BF16_UPDATE
+        else:
+            errors["param"] = s["param"]
+            bounds = dict.fromkeys(errors, ATOL)
+        off = _off(errors, bounds)
+        assert not off, f"rank {rank}, {name}: {off}"
 
 
 @pytest.mark.parametrize("world,name", CASES)
 @pytest.mark.parametrize("mode", ["accum", "accum_auto"])
 def test_accumulation_equals_single_device_over_the_same_micro_batches(runs, world, name, mode):
-    setups = SETUPS_2 if world == 2 else SETUPS_4
-    lr, bf16 = setups[name][3], setups[name][2] is not None
+    bf16 = (SETUPS_2 if world == 2 else SETUPS_4)[name][2] is not None
     for rank, res in enumerate(runs[world]):
         a = res[name][mode]
-        assert a["grad_dtypes"] == ["torch.float32"]
-        assert a["param"] <= (2 * lr if bf16 else ATOL), (rank, name, a["param"])
-        assert a["norm"] == pytest.approx(a["ref_norm"], rel=2**-6 if bf16 else ATOL)
+        assert a["grad_dtypes"] == ["torch.float32"], (rank, name, a["grad_dtypes"])
+        errors = {"grad": a["grad"], "norm": abs(a["norm"] - a["ref_norm"]), "param": a["param"]}
+        if bf16:
+            bounds = {"grad": BF16_GRAD * a["grad_scale"], "norm": BF16_NORM * a["ref_norm"],
+                      "param": BF16_GRAD * a["grad_scale"]}
+        else:
+            bounds = dict.fromkeys(errors, ATOL)
+        off = _off(errors, bounds)
+        assert not off, f"rank {rank}, {name}: {off}"
 
 
 @pytest.mark.parametrize("world,name", CASES)
-def test_gradient_collectives_counted_match_the_plan(runs, world, name):
+def test_once_per_step_collectives_counted_match_a_hand_count(runs, world, name):
+    grads, gathers, first, last = ONCE[name]
     for rank, res in enumerate(runs[world]):
         a = res[name]["accum"]
-        first, middle, last = a["counts"][0], a["counts"][1:-1], a["counts"][-1]
-        graph = a["graph_collectives"]
+        moved = a["moves"].values()
+        assert {(g, s) for g, s, _ in moved if g is not None and g != s} == grads, (rank, name, a["moves"])
+        assert {(s, w) for _, s, w in moved if w is not None} == gathers, (rank, name, a["moves"])
+        graph, kinds = Counter(a["graph_kinds"]), [Counter(k) for k in a["kinds"]]
+        assert graph, (rank, name)
         # the first micro-batch also gathers the working copies the plan keeps for the step, once
-        assert first - graph == a["gathers_planned"], (rank, name, a)
+        assert kinds[0] == graph + Counter(first), (rank, name, kinds[0], graph)
         # no_sync micro-batches issue exactly the emitted graphs' collectives: no gradient move
-        assert middle == [graph] * (tc.K - 2), (rank, name, a)
-        # the synchronizing one adds the plan's gradient collectives (edges into storage), once
-        assert last - graph == a["grad_collectives_planned"], (rank, name, a)
-        assert res[name]["accum_auto"]["counts"] == a["counts"]
+        assert kinds[1:-1] == [graph] * (tc.K - 2), (rank, name, kinds)
+        # the synchronizing one adds the gradient moves to storage, once
+        assert kinds[-1] == graph + Counter(last), (rank, name, kinds[-1], graph)
+        assert res[name]["accum_auto"]["kinds"] == a["kinds"], (rank, name)
 
 
 def test_compile_takes_the_accumulation_into_plan_and_module(runs):
     for world, setups in ((2, SETUPS_2), (4, SETUPS_4)):
         for name, spec in setups.items():
             k = spec[5] if len(spec) > 5 else 1
-            assert (runs[world][0][name]["plan_k"], runs[world][0][name]["module_k"]) == (k, k), name
-
-
-def test_data_parallel_plans_defer_their_gradient_collectives(runs):
-    for world, name in ((2, "ddp-fp32"), (4, "2d-ddp-fp32")):
-        a = runs[world][0][name]["accum"]
-        assert a["grad_collectives_planned"] > 0, (world, name, a)
-        # per step: K x the graph's collectives, the gradient and gather collectives once
-        assert sum(a["counts"]) == (tc.K * a["graph_collectives"] + a["grad_collectives_planned"]
-                                    + a["gathers_planned"])
+            for rank, res in enumerate(runs[world]):
+                got = (res[name]["plan_k"], res[name]["module_k"])
+                assert got == (k, k), (rank, name, got)
 
 
 def test_bf16_parameter_gathers_move_bf16(runs):
-    moved = 0
     for world, setups in ((2, SETUPS_2), (4, SETUPS_4)):
         for name, spec in setups.items():
             if spec[2] is None:
                 continue
-            a = runs[world][0][name]["accum"]
-            # gathers in the graph, at the parameter's consumers
-            assert set(a["param_gathers"]) <= {"torch.bfloat16"}, (name, a["param_gathers"])
-            # and the working copies gathered once per step (what micro-batch 0 adds to the graph's)
-            once = {k: v - a["kinds"][1].get(k, 0) for k, v in a["kinds"][0].items()}
-            assert not any(v > 0 for k, v in once.items() if k.startswith("all_gather") and "float32" in k), once
-            moved += len(a["param_gathers"]) + sum(v for k, v in once.items() if k.startswith("all_gather"))
-    assert moved > 0
+            for rank, res in enumerate(runs[world]):
+                a = res[name]["accum"]
+                # gathers in the graph, at the parameter's consumers, and the working copies
+                # gathered once per step (what micro-batch 0 adds to the graph's)
+                once = Counter(a["kinds"][0]) - Counter(a["graph_kinds"])
+                moved = a["param_gathers"] + [k.split(":")[1] for k in once.elements() if k.startswith("all_gather")]
+                assert moved and set(moved) == {"torch.bfloat16"}, (rank, name, a["param_gathers"], once)
 
 
 def test_policy_changes_the_fingerprint_and_trace_keeps_names():

@@ -20,6 +20,7 @@ from autoshard.errors import TraceError
 from autoshard.launch import run_local
 
 ATOL = 1e-5
+GRAD_SCALE = 0.0728  # tiny bf16 Mixtral's largest gradient on one device (test_mixtral_bf16_*)
 
 CASES = {name: (name, (2,), None) for name in zoo.names()}
 FORCED = {"llama-gathered": ("llama", "gathered", None)}  # see test_gathered_attention_output
@@ -38,11 +39,10 @@ def test_tiny_model_trains_like_single_device(results, name):
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
         assert r["loss"] < ATOL and r["grad"] < ATOL and r["param"] < ATOL, (rank, name, r)
         assert r["names"], (rank, name)
-    r = results[0][name]
-    assert r["sharded_nodes"] > 0, f"{name}: the plan shards nothing, so no rule was exercised"
-    assert r["losses"][1] < r["losses"][0], f"{name}: the SGD step did not lower the loss: {r['losses']}"
-    if name != "mlp":  # the MLP's mse_loss has no DTensor rule (planned replicated, reported)
-        assert r["fallbacks"] == [], (name, r["fallbacks"])
+        assert r["sharded_nodes"] > 0, f"rank {rank}, {name}: the plan shards nothing, so no rule was exercised"
+        assert r["losses"][1] < r["losses"][0], f"rank {rank}, {name}: the step did not lower the loss: {r['losses']}"
+        if name != "mlp":  # the MLP's mse_loss has no DTensor rule (planned replicated, reported)
+            assert r["fallbacks"] == [], (rank, name, r["fallbacks"])
 
 
 @pytest.mark.world(2)
@@ -64,12 +64,15 @@ def test_mixtral_bf16_grouped_experts_train_like_single_device():
     sums differ from the single-device ones by rounding: the loss by at most 2 bf16 steps at its
     size (2 * 2**-5 near 5), gradients by a few bf16 steps (2**-8) of the largest gradient,
     parameters by 1e-2. A wrong dispatch errs by far more: counts off by one expert (each rank's
-    histc rolled by one) gave gradient errors 18x the rounding (6.6e-3 against 3.7e-4 here)."""
+    histc rolled by one) gave gradient errors 18x the rounding (6.6e-3 against 3.7e-4 here). The
+    bound scales with the largest gradient, so that is held too: the seeded single device's 0.0728
+    (to 2 bf16 steps, for another CPU's kernels)."""
     results = run_local(zc.run_zoo, 2, {"m": ("mixtral", (2,), None, torch.bfloat16)}, timeout=900)
     for res in results:
         r = res["m"]
         assert "error" not in r, r.get("error")
         assert r["sorts"] == ["(S(0))->(S(0)),(S(0))"] * 2, r["sorts"]
+        assert r["grad_scale"] == pytest.approx(GRAD_SCALE, rel=2**-6), r
         assert r["loss"] <= 2 * 2**-5 and r["grad"] <= 4 * 2**-8 * r["grad_scale"] and r["param"] < 1e-2, r
         assert r["sharded_nodes"] > 0 and r["fallbacks"] == [], r
 
@@ -83,6 +86,7 @@ def test_mixtral_bf16_splits_tokens_over_a_2d_mesh_like_single_device():
         r = res["m"]
         assert "error" not in r, r.get("error")
         assert r["sorts"] == ["(S(0),S(0))->(S(0),S(0)),(S(0),S(0))"] * 2, r["sorts"]
+        assert r["grad_scale"] == pytest.approx(GRAD_SCALE, rel=2**-6), r
         assert r["loss"] <= 2 * 2**-5 and r["grad"] <= 4 * 2**-8 * r["grad_scale"] and r["param"] < 1e-2, r
 
 

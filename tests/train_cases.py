@@ -4,14 +4,14 @@ One *setup* (model, mesh, constraints, precision policy) is compiled once and ru
 each against the same loop on a single device in this process under the same policy:
 
 * ``steps``: 3 optimizer steps of AdamW under a LambdaLR schedule with
-  ``torch.nn.utils.clip_grad_norm_`` over the compiled module's parameters; per step the loss
-  and the clipped norm, and the parameters after the last step.
-* ``accum``: one AdamW step over K = 4 micro-batches, the first three inside ``no_sync()``
+  ``torch.nn.utils.clip_grad_norm_`` over the compiled module's parameters; per step the loss,
+  the largest deviation of any gradient and the clipped norm, and the parameters after the last step.
+* ``accum``: one SGD step over K = 4 micro-batches, the first three inside ``no_sync()``
   (and again with ``module.grad_accumulation = 4``, what ``compile(grad_accumulation=4)`` sets,
-  instead of ``no_sync``), clipped with
-  ``module.clip_grad_norm_``; the parameters after it, and the collectives each micro-batch
-  issued, counted by a dispatch mode, next to the plan's gradient collectives (the comms of
-  the edges that end at parameter placeholders) and the collective nodes of the emitted graphs.
+  instead of ``no_sync``), clipped with ``module.clip_grad_norm_``; the accumulated gradients,
+  the parameters after the step, the collectives each micro-batch issued, counted by a dispatch
+  mode, with those of the emitted graphs, and what each parameter moves once per step (its
+  gradient's placements, its storage, its working copy's).
 """
 
 from __future__ import annotations
@@ -61,15 +61,22 @@ def _is_collective(node) -> bool:
 
 
 def param_gathers(dm) -> list[str]:
-    """dtype of every forward all-gather whose input is a parameter (through views and casts)."""
+    """dtype of every forward all-gather of what is computed from parameters alone (their views
+    and casts, one at a time or several packed into one bucket)."""
     params = set(dm._fw.graph.find_nodes(op="placeholder")[:len(dm._param_names)])
     found = []
     for n in dm._fw.graph.nodes:
         if _is_collective(n) and n.target._opname.startswith("all_gather"):
-            src = n.args[0]
-            while src.op == "call_function" and len(src.all_input_nodes) == 1:
-                src = src.all_input_nodes[0]
-            if src in params:
+            leaves, seen, todo = set(), set(), [n.args[0]]
+            while todo:
+                src = todo.pop()
+                if src in seen:
+                    continue
+                seen.add(src)
+                if src.op == "placeholder":
+                    leaves.add(src)
+                todo.extend(src.all_input_nodes)
+            if leaves and leaves <= params:
                 found.append(str(n.args[0].meta["val"].dtype))
     return found
 
@@ -117,6 +124,17 @@ def _param_err(dm, ref) -> float:
     return max((p.full_tensor() - ref.get_parameter(n)).abs().max().item() for n, p in dm.named_parameters())
 
 
+def _grad_err(dm, ref) -> tuple[float, float]:
+    """The largest deviation of any gradient element from the single device's, and the largest
+    single-device gradient element (the scale bf16 rounding errs relative to)."""
+    err = scale = 0.0
+    for n, p in dm.named_parameters():
+        want = ref.get_parameter(n).grad
+        err = max(err, (p.grad.full_tensor() - want).abs().max().item())
+        scale = max(scale, want.abs().max().item())
+    return err, scale
+
+
 def _reset(dm, ref, start: dict) -> None:
     dm.load_state_dict(start, strict=False)
     ref.load_state_dict(start, strict=False)
@@ -124,36 +142,45 @@ def _reset(dm, ref, start: dict) -> None:
         p.grad = None
 
 
-def _steps(dm, ref, policy, lr: float, steps: int = 3) -> dict:
+def _steps(dm, ref, policy, lr: float, start: dict, steps: int = 3) -> dict:
     run = cast_module(ref, policy)
     opt, sched = _optim(dm.parameters(), lr)
     ref_opt, ref_sched = _optim(ref.parameters(), lr)
-    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "lr": []}
+    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "lr": [], "grad": [], "grad_scale": []}
     for s in range(steps):
         batch = _batch(ref, s, 0)
         loss = dm(*dm.shard_inputs(*batch))
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(dm.parameters(), MAX_NORM)
-        opt.step(), sched.step(), opt.zero_grad()
         ref_loss = run(*batch)
         ref_loss.backward()
+        grad, scale = _grad_err(dm, ref)
+        norm = torch.nn.utils.clip_grad_norm_(dm.parameters(), MAX_NORM)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        opt.step(), sched.step(), opt.zero_grad()
         ref_opt.step(), ref_sched.step(), ref_opt.zero_grad()
         out["loss"].append(loss.float().item())
         out["ref_loss"].append(ref_loss.float().item())
+        out["grad"].append(grad)
+        out["grad_scale"].append(scale)
         out["norm"].append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
         out["ref_norm"].append(ref_norm.item())
         out["lr"].append(sched.get_last_lr()[0])
     out["param"] = _param_err(dm, ref)
+    off = moved = 0.0
+    for n, p in dm.named_parameters():
+        want = ref.get_parameter(n).detach()
+        off += (p.full_tensor() - want).square().sum().item()
+        moved += (want - start[n]).square().sum().item()
+    out["update"] = (off / moved) ** 0.5  # how far the steps went astray, relative to how far they went
     return out
 
 
-def _accumulate(dm, ref, policy, lr: float, explicit: bool) -> dict:
-    """One optimizer step over K micro-batches (loss / K each, as users scale it)."""
+def _accumulate(dm, ref, policy, explicit: bool, lr: float = 1.0) -> dict:
+    """One SGD step over K micro-batches (loss / K each, as users scale it): the step moves each
+    parameter by lr x its clipped gradient, so the parameters after it check the values summed."""
     run = cast_module(ref, policy)
-    opt, _ = _optim(dm.parameters(), lr)
-    ref_opt, _ = _optim(ref.parameters(), lr)
-    counts, kinds = [], {}
+    opt, ref_opt = torch.optim.SGD(dm.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    kinds = []
     dm.grad_accumulation = 1 if explicit else K
     for k in range(K):
         batch = _batch(ref, 7, k)
@@ -166,69 +193,47 @@ def _accumulate(dm, ref, policy, lr: float, explicit: bool) -> dict:
                     (dm(*local) / K).backward()
             else:
                 (dm(*local) / K).backward()
-        counts.append(counter.total)
-        if k in (0, 1, K - 1):
-            kinds[k] = {f"{op}:{dtype}": c for (op, dtype), c in sorted(counter.counts.items())}
+        kinds.append({f"{op}:{dtype}": c for (op, dtype), c in sorted(counter.counts.items())})
         unreduced_grads = all(p.grad is None for p in dm.parameters())
         if k < K - 1 and not unreduced_grads:
             raise AssertionError(f"micro-batch {k}: gradients reached .grad before the last micro-batch")
         (run(*batch) / K).backward()
     dm.grad_accumulation = 1
     grad_dtypes = sorted({str(p.grad.dtype) for p in dm.parameters()})
+    grad, scale = _grad_err(dm, ref)
     norm = dm.clip_grad_norm_(MAX_NORM)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
     opt.step()
     ref_opt.step()
-    graph = sum(1 for g in (dm._fw, dm._bw) for n in g.graph.nodes if _is_collective(n))
-    return {"counts": counts, "graph_collectives": graph, "param_gathers": param_gathers(dm),
-            "param": _param_err(dm, ref), "kinds": kinds,
-            "grad_dtypes": grad_dtypes,
-            "norm": norm.full_tensor().item(), "ref_norm": ref_norm.item(),
-            "working": {dm._param_names[i]: (_pl(dm.get_parameter(dm._param_names[i]).placements), _pl(pl))
-                        for i, pl in dm._working.items()},
-            "grad_collectives_planned": planned_buckets(dm, "grad"),
-            "gathers_planned": planned_buckets(dm, "gather"),
-            "per_micro_batch_planned": planned(dm.plan, "input") + planned(dm.plan, "output")}
+    graph = [n for g in (dm._fw, dm._bw) for n in g.graph.nodes if _is_collective(n)]
+    return {"kinds": kinds, "graph_kinds": dict(Counter(f"{n.target._opname}:{_dtype(n)}" for n in graph)),
+            "param_gathers": param_gathers(dm), "param": _param_err(dm, ref), "grad": grad, "grad_scale": scale,
+            "grad_dtypes": grad_dtypes, "norm": norm.full_tensor().item(), "ref_norm": ref_norm.item(),
+            "moves": moves(dm)}
+
+
+def _dtype(node) -> str:
+    val = node.args[0].meta["val"]
+    return str((val[0] if isinstance(val, (list, tuple)) else val).dtype)
+
+
+def moves(dm) -> dict:
+    """What each parameter's once-per-step moves are, read off the module's tensors: per
+    parameter, its gradient's placements as backward leaves it, its storage placements, and the
+    working placements it is gathered to once per step (None: computed from storage)."""
+    out = {}
+    for i, name in enumerate(dm._param_names):
+        p = dm.get_parameter(name)
+        grad = dm._grad_placements[i]
+        out[name] = (None if grad is None else _pl(grad), _pl(p.placements),
+                     _pl(dm._working[i]) if i in dm._working else None)
+    return out
 
 
 def _pl(placements) -> str:
     from autoshard.passes.strategies import placement_str
 
     return "(" + ",".join(placement_str(p) for p in placements) + ")"
-
-
-def planned(plan, role: str) -> int:
-    """Collectives the plan lists for edges of one role: "grad" (gradient to storage, once per
-    step), "gather" (storage to working copy, once per step), "input"/"output" (in the graph)."""
-    return sum(1 for n in plan.nodes for c in n.comm if c.get("role") == role)
-
-
-def planned_buckets(dm, role: str) -> int:
-    """The once-per-step collectives of ``role`` ("grad", "gather") as the module issues them:
-    the moves it buckets (bucket.to_storage_many, bucket.gather_many) one flat collective per
-    group and mesh dim (the setups' tensors fit one bucket), any other move as the plan lists its
-    collectives (at the parameter's node)."""
-    from autoshard.passes import bucket
-
-    params = [n.name for n in dm.plan.nodes if n.op == "placeholder"][:len(dm._param_names)]
-    listed = {n.name: sum(1 for c in n.comm if c.get("role") == role) for n in dm.plan.nodes}
-    groups, alone = set(), 0
-    for i, name in enumerate(dm._param_names):
-        p = dm.get_parameter(name)
-        if role == "grad" and dm._grad_placements[i] is not None:
-            pl = tuple(dm._grad_placements[i])
-            how = bucket.bucketable(pl, p) if listed[params[i]] else None
-            key = None if how is None else ("grad", how[:2], len(how[1]) if how[0] == "all_reduce" else 1)
-        elif role == "gather" and i in dm._working:
-            how = bucket._gather_dims(p, dm._working[i])
-            key = None if how is None else ("gather", how[0], p.dtype, 1)
-        else:
-            continue
-        if key is None:
-            alone += listed[params[i]]
-        else:
-            groups.add(key)
-    return sum(key[-1] for key in groups) + alone
 
 
 def setup_case(mesh_shape, constraints: str | None, policy: MixedPrecision | None, lr: float,
@@ -241,14 +246,13 @@ def setup_case(mesh_shape, constraints: str | None, policy: MixedPrecision | Non
     cluster = autoshard.Cluster.local(dist.get_world_size(), mesh_shape)
     dm = autoshard.compile(model, cluster, _batch(model, 0, 0), constraints=CONSTRAINTS[constraints],
                            mixed_precision=policy, grad_accumulation=plan_k)
-    out = {"storage": dict(dm.plan.storage), "plan_k": dm.plan.grad_accumulation, "module_k": dm.grad_accumulation,
-           "param_dtypes": sorted({str(p.dtype) for p in dm.parameters()}),
-           "grad_placements": sorted({str(pl) for pl in dm._grad_placements})}
+    out = {"plan_k": dm.plan.grad_accumulation, "module_k": dm.grad_accumulation,
+           "param_dtypes": sorted({str(p.dtype) for p in dm.parameters()})}
     dm.grad_accumulation = 1  # one micro-batch per step here, whatever the plan was priced for
-    out["steps"] = _steps(dm, ref, policy, lr)
+    out["steps"] = _steps(dm, ref, policy, lr, start)
     for explicit in (True, False):
         _reset(dm, ref, start)
-        out["accum" if explicit else "accum_auto"] = _accumulate(dm, ref, policy, lr, explicit)
+        out["accum" if explicit else "accum_auto"] = _accumulate(dm, ref, policy, explicit)
     return out
 
 

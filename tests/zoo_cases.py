@@ -3,7 +3,8 @@
 Each model of the zoo at its tiny size (or of autoshard/corpus.py, named "corpus:NAME"), is compiled under the solver's own plan and trained
 for ``STEPS`` SGD steps on every rank; each rank also runs the same steps on a single-device copy.
 Returned per model: the largest deviation of the loss (every step), of every gradient (every
-step) and of every parameter (after the last step), plus the plan's fallbacks.
+step) and of every parameter (after the last step), the distributed run's loss at each step, the
+largest single-device gradient element, plus the plan's fallbacks.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def train_case(name: str, mesh_shape=None, constraints=None, plan=None, dtype=No
         loss.backward()
         ref_loss = ref(*inputs)
         ref_loss.backward()
-        err["losses"].append(ref_loss.item())
+        err["losses"].append(loss.item())
         err["loss"] = max(err["loss"], (loss.detach() - ref_loss.detach()).abs().item())
         for pname, p in dm.named_parameters():
             want = ref.get_parameter(pname).grad
