@@ -20,7 +20,6 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from autoshard.errors import PlanError, PlanMismatchError
-from autoshard.notation import parse_placements  # noqa: F401  (read back by compile and constraints)
 
 SCHEMA_VERSION = 1
 

@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch
 from autoshard.errors import NoShardingRuleError
-from autoshard.notation import placement_str, placements_str  # noqa: F401  (placement_str: the strategies' notation)
+from autoshard.notation import placements_str
 
 META_KEY = "autoshard.strategies"
 Placements = tuple[Placement, ...]

@@ -32,10 +32,6 @@ def llama(layers: int = 4, hidden: int = 512, seq: int = 512, batch: int = 16):
     return autoshard.trace(model, (ids, ids))
 
 
-def small_llama():
-    return llama(layers=2, hidden=256, seq=256, batch=8)
-
-
 def gpt():
     config = GPTConfig.tiny()
     ids = torch.randint(0, config.vocab, (8, config.seq), generator=torch.Generator().manual_seed(0))
@@ -47,16 +43,18 @@ def transformers_model(name: str = "qwen2"):
     return autoshard.trace(model, inputs)
 
 
-# name -> (traced model, cluster, plan options, whether it plans at the tightest cap of a sweep).
-# The sweeps stay on 1-D meshes: near its smallest peak, a 2-D problem of even a 1-layer model
-# takes HiGHS past a minute (docs/design.md, "Limitations in detail").
+# name -> (traced model, cluster, plan options, sweep): the case plans at the last cap of a sweep
+# 0.6x per step down from the free plan's peak, until infeasible (None), for that many steps (an
+# int; 0: no cap). The full sweeps stay on 1-D meshes and shared layers: near its smallest peak, a
+# 2-D problem of even a 1-layer model takes HiGHS past a minute, and so does an unshared 2-layer
+# Llama (docs/design.md, "Limitations in detail").
 CASES = {
-    "1d": (llama, lambda: Cluster.preset("dgx-h100"), {}, True),
-    "2d": (gpt, lambda: Cluster.local(4, (2, 2)), {}, False),
-    "auto": (gpt, lambda: Cluster.local(4), {"meshes": "auto"}, False),
-    "unshared": (small_llama, lambda: Cluster.preset("dgx-h100"), {"share_layers": False}, True),
-    "accumulation": (small_llama, lambda: Cluster.preset("dgx-h100"), {"grad_accumulation": 2}, True),
-    "qwen2": (transformers_model, lambda: Cluster.local(2), {}, True),
+    "1d": (llama, lambda: Cluster.preset("dgx-h100"), {}, None),
+    "2d": (gpt, lambda: Cluster.local(4, (2, 2)), {}, 0),
+    "auto": (gpt, lambda: Cluster.local(4), {"meshes": "auto"}, 0),
+    "unshared": (gpt, lambda: Cluster.preset("dgx-h100"), {"share_layers": False}, 1),
+    "accumulation": (gpt, lambda: Cluster.preset("dgx-h100"), {"grad_accumulation": 2}, 1),
+    "qwen2": (transformers_model, lambda: Cluster.local(2), {}, None),
 }
 
 
@@ -70,18 +68,18 @@ def plan_json(case: str, traced, cap: float | None) -> str:
 
 
 def cap(case: str, traced, step: float = 0.6) -> float | None:
-    """The case's memory cap: sweeping ``memory_limit`` down from the free plan's peak by ``step``
-    per call, the last that fits (None: the case plans without one)."""
-    _, cluster, options, sweep = CASES[case]
-    if not sweep:
+    """The case's memory cap (``CASES``); None: it plans without one."""
+    _, cluster, options, steps = CASES[case]
+    if steps == 0:
         return None
     limit = autoshard.plan(traced, cluster(), **options).peak_memory
-    while True:
+    for _ in range(10**6 if steps is None else steps):
         try:
             autoshard.plan(traced, cluster(), memory_limit=limit * step, **options)
         except InfeasibleError:
-            return limit
+            break
         limit *= step
+    return limit
 
 
 def baselines_json(traced) -> dict[str, str]:

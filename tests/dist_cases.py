@@ -62,7 +62,7 @@ def _model(kind: str):
 
 def _working(model, inputs, placements):
     """An ``allow`` pinning every parameter's working placement (what its consumers read)."""
-    from autoshard.plan import parse_placements
+    from autoshard.notation import parse_placements
 
     want = tuple(parse_placements(placements, len(placements)))
     names = {node.name for _, node in autoshard.trace(model, inputs).params}  # same names when compiled

@@ -2,9 +2,10 @@
 process or a later one, after other models and meshes were planned, in a fresh process (other
 addresses, another PYTHONHASHSEED), and with sets of graph nodes iterating in another order.
 
-The 1-D cases plan at the tightest memory cap of a sweep (0.6x per step down from the free
-plan's peak), where ties between equally fast plans are most numerous: the 4-layer Llama there
-is the model whose plans once differed between the first call in a process and later ones."""
+Most cases plan under a binding memory cap, the 1-D ones at the tightest cap of a sweep (0.6x per
+step down from the free plan's peak), where ties between equally fast plans are most numerous:
+the 4-layer Llama there is the model whose plans once differed between the first call in a
+process and later ones."""
 
 import os
 import subprocess
@@ -56,9 +57,8 @@ def test_same_plan_with_other_node_hashes(case, others_planned):
     traced = build()
     cap = dc.cap(case, traced)
     first = dc.plan_json(case, traced, cap)
-    for seed in (1, 2):
-        with dc.permuted_node_hash(seed):
-            assert dc.plan_json(case, build(), cap) == first
+    with dc.permuted_node_hash(seed=2):
+        assert dc.plan_json(case, build(), cap) == first
     assert dc.plan_json(case, traced, cap) == first
 
 

@@ -231,9 +231,9 @@ def moves(dm) -> dict:
 
 
 def _pl(placements) -> str:
-    from autoshard.passes.strategies import placement_str
+    from autoshard.notation import placements_str
 
-    return "(" + ",".join(placement_str(p) for p in placements) + ")"
+    return placements_str(placements)
 
 
 def setup_case(mesh_shape, constraints: str | None, policy: MixedPrecision | None, lr: float,
