@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 
 from autoshard.notation import split_top
@@ -253,7 +254,7 @@ def summary_text(plan, max_rows: int | None = 40, width: int = 160) -> str:
         notes.append(f"{noop} collectives over one-rank mesh dims (no data moves) not shown")
     notes.append("rc: R = recomputed in backward instead of saved")
     console.print(escape("; ".join(notes)))
-    console.print(storage_table(plan))
+    console.print(storage_table(plan, max_rows))
     console.print(memory_table(plan))
     if plan.fallbacks:
         console.print(escape("replicated for lack of a rule: " + "; ".join(f"{n} ({r})" for n, r in plan.fallbacks)))
@@ -269,16 +270,60 @@ def shard_factor(plan, placements: str) -> int:
     return f
 
 
-def storage_table(plan):
+def natural_key(name: str) -> tuple:
+    """"blocks.2.w" before "blocks.10.w": digit runs compare as numbers (a saved plan's storage
+    comes back in text order)."""
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t)
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], None
+    for i, k in enumerate(indices):
+        if start is None:
+            start = k
+        if i + 1 == len(indices) or indices[i + 1] != k + 1:
+            out.append(str(start) if start == k else f"{start}-{k}")
+            start = None
+    return ",".join(out)
+
+
+def storage_rows(plan) -> list[tuple[str, str, int]]:
+    """(parameter, placements, copies) in natural order, a repeated layer's parameters folded: names
+    that differ only in their first index and are stored alike print once, as "h.[0-11].mlp.weight"
+    with 12 copies; a layer stored otherwise is its own row."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    alone: list[tuple[str, str]] = []
+    for name in sorted(plan.storage, key=natural_key):
+        pl = plan.storage[name]
+        m = re.search(r"(?:^|\.)(\d+)(?=\.)", name)
+        if m is None:
+            alone.append((name, pl))
+            continue
+        key = name[:m.start(1)] + "*" + name[m.end(1):]
+        groups.setdefault((key, pl), []).append(int(m.group(1)))
+    rows = [(natural_key(name), (name, pl, 1)) for name, pl in alone]
+    for (key, pl), layers in groups.items():
+        name = key.replace("*", str(layers[0]) if len(layers) == 1 else f"[{_ranges(layers)}]", 1)
+        rows.append((natural_key(key.replace("*", str(layers[0]), 1)), (name, pl, len(layers))))
+    return [row for _, row in sorted(rows)]
+
+
+def storage_table(plan, max_rows: int | None = None):
+    """The parameter storage, repeated layers folded (:func:`storage_rows`); ``max_rows`` rows at most."""
     from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title="parameter storage", title_justify="left")
-    for col in ("parameter", "placements", "per device"):
+    rows = storage_rows(plan)
+    shown = rows if max_rows is None else rows[:max_rows]
+    t = Table(title=f"parameter storage ({len(plan.storage)} parameters)", title_justify="left",
+              caption=None if len(shown) == len(rows) else f"{len(rows) - len(shown)} more rows not shown (--all, "
+                                                          f"or summary(expand=True), shows all)", caption_justify="left")
+    for col in ("parameter", "placements", "per device", "layers"):
         t.add_column(col)
-    for name, pl in plan.storage.items():
+    for name, pl, copies in shown:
         f = shard_factor(plan, pl)
-        t.add_row(escape(name), escape(pl), "full copy" if f == 1 else f"1/{f}")
+        t.add_row(escape(name), escape(pl), "full copy" if f == 1 else f"1/{f}", f"x{copies}" if copies > 1 else "")
     return t
 
 

@@ -284,3 +284,29 @@ def test_diff_sees_recompute_changes(plans):
     d = free.diff(other)
     assert [c.name for c in d.nodes] == [n.name] and (d.nodes[0].recompute_a, d.nodes[0].recompute_b) == (False, True)
     assert math.isclose(d.step_time_delta, 0.0)
+
+
+def test_storage_folds_repeated_layers_in_natural_order():
+    from types import SimpleNamespace
+
+    from autoshard.report import storage_rows
+
+    storage = {"wte.weight": "(S(0))", "ln_f.weight": "(R)"}
+    for i in range(12):
+        storage |= {f"h.{i}.mlp.weight": "(S(1))" if i != 7 else "(S(0))", f"h.{i}.mlp.bias": "(R)"}
+    plan = SimpleNamespace(storage=dict(sorted(storage.items())))   # as a saved plan reads back: text order
+    assert storage_rows(plan) == [
+        ("h.[0-11].mlp.bias", "(R)", 12),
+        ("h.[0-6,8-11].mlp.weight", "(S(1))", 11),
+        ("h.7.mlp.weight", "(S(0))", 1),   # the layer stored otherwise, apart
+        ("ln_f.weight", "(R)", 1),
+        ("wte.weight", "(S(0))", 1),
+    ]
+
+
+def test_summary_storage_obeys_max_rows(plans):
+    _, plan, _ = plans
+    folded = len({(n.split(".", 2)[-1] if n.startswith("blocks.") else n, pl) for n, pl in plan.storage.items()})
+    short, full = plan.summary(max_rows=1), plan.summary(expand=True)
+    assert f"{folded - 1} more rows not shown" in short
+    assert "more rows not shown" not in full and "x2" in full   # the tiny GPT's two layers, folded
