@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard.zoo_hf import CausalLM, ImageClassifier  # the zoo's wrappers: (ids, labels), (pixels, labels)
+from autoshard.zoo_hf import CausalLM, ImageClassifier, Wrapped  # the zoo's wrappers: (ids, labels), (pixels, labels)
 
 SEQ, BATCH, VOCAB, IMAGE = 32, 8, 128, 32
 
@@ -144,25 +144,17 @@ def names() -> list[str]:
 
 
 # ------------------------------------------------------------------------ transformers wrappers
-class Seq2SeqLM(nn.Module):
+class Seq2SeqLM(Wrapped):
     """``forward(ids, labels)``: the decoder reads ``labels`` (teacher forcing) and is scored on
     them, as the encoder-decoder training recipes do."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=ids, decoder_input_ids=labels, use_cache=False).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
-class Contrastive(nn.Module):
+class Contrastive(Wrapped):
     """CLIP's symmetric contrastive loss over the batch's (text, image) pairs."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
 
     def forward(self, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, pixel_values=pixels, return_loss=True).loss

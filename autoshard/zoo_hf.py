@@ -49,26 +49,27 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
 AttentionInterface.register(ATTENTION, _sdpa)
 
 
-class CausalLM(nn.Module):
-    """A ``*ForCausalLM`` / ``*ForMaskedLM`` model; ``forward(ids, labels)`` is the mean token
-    cross-entropy of its logits against ``labels``. Every position counts: for BERT's masked-LM
-    head that is the same graph as scoring the usual 15% of positions, without the ignore mask."""
+class Wrapped(nn.Module):
+    """A transformers model under ``.model`` (its parameter names keep that prefix), wrapped so
+    that ``forward(*inputs)`` returns a scalar loss."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+
+
+class CausalLM(Wrapped):
+    """A ``*ForCausalLM`` / ``*ForMaskedLM`` model; ``forward(ids, labels)`` is the mean token
+    cross-entropy of its logits against ``labels``. Every position counts: for BERT's masked-LM
+    head that is the same graph as scoring the usual 15% of positions, without the ignore mask."""
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=ids, use_cache=False).logits  # a KV cache is for generation only
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
-class ImageClassifier(nn.Module):
+class ImageClassifier(Wrapped):
     """A ``*ForImageClassification`` model; ``forward(pixels, labels)`` is the mean cross-entropy."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
 
     def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.model(pixel_values=pixels).logits, labels)
