@@ -4,22 +4,35 @@ SHELL := bash
 .DEFAULT_GOAL := test
 
 PYTHON ?= python3
+# The torch to test against. The default, 2.13.0, is the CPU build pip finds on this machine's disk,
+# in .venv. Any other supported release (`make test TORCH=2.15.0`) gets its own environment,
+# .venv-torch<version>, with the build the package index serves (a CUDA build, which runs on CPU);
+# the machine's pip constraints cap torch, and that environment lifts the cap for itself alone.
+TORCH  ?= 2.13.0
+ifeq ($(TORCH),2.13.0)
 VENV   := .venv
+PIP_ENV :=
+else
+VENV   := .venv-torch$(TORCH)
+PIP_ENV := PIP_CONSTRAINT=/dev/null
+endif
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# torch is pinned and installed first: a bare torch requirement would pull the CUDA build.
-TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 
 .PHONY: .venv venv demo test bench golden clean distclean
 
 .venv venv: $(STAMP)
 
+# torch goes in first and by exact version: a bare requirement would pull another build. Installing
+# autoshard next must leave it alone (pyproject asks for a range that includes it): checked.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet '$(TORCH)'
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PIP_ENV) $(PY) -m pip install --quiet --upgrade pip
+	$(PIP_ENV) $(PY) -m pip install --quiet 'torch==$(TORCH)'
+	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -c "import sys, torch; v = torch.__version__.split('+')[0]; \
+	  sys.exit(0 if v == '$(TORCH)' else f'installing autoshard replaced torch $(TORCH) with {v}')"
 	touch $@
 
 demo: $(STAMP)
@@ -47,4 +60,4 @@ clean:
 	rm -rf .pytest_cache build dist *.egg-info
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf .venv .venv-torch*

@@ -4,6 +4,7 @@
     dist_model = autoshard.compile(model, cluster, example_inputs)  # inside torch.distributed
 """
 
+from autoshard import _torch  # noqa: F401  first: it checks the torch version before anything uses torch
 from autoshard import errors
 from autoshard.api import compile, plan, trace
 from autoshard.cluster import Cluster, DeviceSpec, LinkSpec

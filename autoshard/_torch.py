@@ -1,15 +1,49 @@
-"""The one place autoshard touches private torch APIs (supported: torch 2.13.x).
+"""The one place autoshard touches private torch APIs (supported: torch 2.11 to 2.15).
 
 A torch upgrade that moves any of these is a change to this file alone; tests/test_torch_adapter.py
-checks each name resolves on the installed version.
+checks each name resolves on the installed version. Where releases differ, the code detects the
+feature; a branch by version names the version it serves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import warnings
 from typing import Any, Callable
 
 import torch
+
+from autoshard.errors import UnsupportedTorchError
+
+# The oldest and newest torch minor releases autoshard supports (`make test TORCH=...` runs the suite
+# on one; docs/design.md, "torch releases", says where it stands on each).
+SUPPORTED = ((2, 11), (2, 15))
+# Set to 1 to import autoshard on a torch outside SUPPORTED anyway (with a warning), at your own risk.
+ANY_TORCH = "AUTOSHARD_ANY_TORCH"
+
+
+def check_version(version: str) -> None:
+    """Raise UnsupportedTorchError unless ``version`` (``torch.__version__``: "2.13.0+cpu",
+    "2.15.0a0+git…") is a supported release. Checked at import, before any private name below is
+    looked up, so an unsupported torch fails here and not with an AttributeError deep in a pass."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    minor = (int(found[1]), int(found[2])) if found else None
+    if minor is not None and SUPPORTED[0] <= minor <= SUPPORTED[1]:
+        return
+    (lo_major, lo), (hi_major, hi) = SUPPORTED
+    message = (f"autoshard supports torch {lo_major}.{lo} to {hi_major}.{hi}, but torch {version} is installed; "
+               f"install a supported torch (pip install 'torch>={lo_major}.{lo},<{hi_major}.{hi + 1}'), or set "
+               f"{ANY_TORCH}=1 to try this one anyway")
+    if os.environ.get(ANY_TORCH) == "1":
+        warnings.warn(message.split(", or set")[0] + f"; going on because {ANY_TORCH}=1", stacklevel=2)
+        return
+    raise UnsupportedTorchError(message)
+
+
+check_version(torch.__version__)
+
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # noqa: F401
 from torch._functorch._aot_autograd.descriptors import (  # noqa: F401
     BufferAOTInput,
@@ -44,7 +78,7 @@ __all__ = [
     "aot_export_joint_with_descriptors", "default_partition", "FakeTensorMode", "DTensorSpec",
     "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "TupleStrategy", "RuntimeSchemaInfo",
     "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "expand_single_dim_strategy",
-    "sharding_propagator",
+    "sharding_propagator", "has_sharding_rule",
     "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
     "tree_leaves", "tree_map", "tree_map_only", "default_group_options", "is_all_gather",
     "all_gather_key", "merge_all_gathers", "unpriced_strategies",
@@ -54,6 +88,12 @@ __all__ = [
 def sharding_propagator():
     """DTensor's registry of per-op sharding rules (strategy functions and single-dim rules)."""
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_sharding_rule(op) -> bool:
+    """Whether DTensor's registry holds a sharding rule (of either kind) for an op overload."""
+    prop = sharding_propagator()
+    return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs
 
 
 @contextlib.contextmanager
@@ -212,3 +252,113 @@ def reduce_scatter_async(t: torch.Tensor, ranks: int, group_name: str) -> torch.
 def wait(t: torch.Tensor) -> torch.Tensor:
     """The result of a functional collective, once it has arrived."""
     return torch.ops._c10d_functional.wait_tensor(t)
+
+
+# --- simulated ranks (autoshard/simulate.py): torch.distributed._local_tensor --------------------
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
+
+__all__ += ["simulated_ranks", "local_tensor", "rank_values", "local_int", "on_each_rank", "data_address",
+            "tree_flatten", "tree_unflatten", "reset_sharding_caches"]
+
+
+def simulated_ranks(world_size: int) -> contextlib.AbstractContextManager:
+    """torch's ``LocalTensorMode`` over ranks 0..world_size-1: an op on a LocalTensor runs once
+    per rank, a collective moves data between the ranks' tensors."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    return LocalTensorMode(world_size)
+
+
+def local_tensor(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
+    """One tensor holding ``per_rank[r]`` on each simulated rank r. Make it outside
+    :func:`simulated_ranks`: under the mode the constructor's own ops nest a LocalTensor in each
+    rank's value."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor(per_rank)
+
+
+def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each simulated rank's value of ``t``, by rank; a plain tensor is its one value."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return dict(sorted(t._local_tensors.items())) if isinstance(t, LocalTensor) else {0: t}
+
+
+def local_int(values: tuple[int, ...]) -> torch.SymInt:
+    """An int that is ``values[r]`` on simulated rank r: an op under :func:`simulated_ranks` takes
+    it per rank."""
+    from torch.distributed._local_tensor import LocalIntNode
+
+    return torch.SymInt(LocalIntNode(dict(enumerate(values))))
+
+
+def on_each_rank(fn: Callable) -> Callable:
+    """``fn`` run once per simulated rank on that rank's values (its LocalTensors' and
+    :func:`local_int`'s), the results joined as LocalTensors; ``fn`` itself outside the mode."""
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+    return maybe_run_for_local_tensor(fn)
+
+
+def data_address(t: torch.Tensor):
+    """Where a tensor's values live (a replaced tensor moves, an updated one does not): its data
+    pointer; for a LocalTensor, which has no storage of its own, every simulated rank's."""
+    if type(t).__name__ == "LocalTensor":   # (no import of the simulation on a real rank's step)
+        return tuple(v.data_ptr() for v in rank_values(t).values())
+    return t.data_ptr()
+
+
+def reset_sharding_caches() -> None:
+    """Forget what DTensor keeps from one trace to the next in a process, so that each simulated
+    rank traces as in a process of its own: cached sharding propagations (their output specs hold
+    the mesh they were first made on, and meshes of one shape compare equal, so the next rank's
+    trace would cut its pieces at the first rank's coordinate) and, from torch 2.13, the one-device
+    mesh of decomposition-based rules (made, and left in the graph as a dead constant, by the
+    first trace that needs it)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    decomposed = getattr(sharding_propagator(), "decomp_strategy", None)
+    getattr(decomposed, "_fake_meshes", {}).clear()
+
+
+# --- flat collectives and merged gathers on torch 2.11 ------------------------------------------
+import torch.distributed as dist  # noqa: E402
+
+__all__ += ["all_gather_flat", "reduce_scatter_flat", "merge_all_gathers_at"]
+
+
+def all_gather_flat(out: torch.Tensor, t: torch.Tensor, group=None) -> None:
+    """Every rank's ``t`` into ``out``, rank after rank. torch 2.13 names it ``all_gather_single``
+    (its ``all_gather_into_tensor`` warns on every call that it is deprecated); 2.11 has only
+    ``all_gather_into_tensor``."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, t, group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, t: torch.Tensor, group=None) -> None:
+    """The sum over ranks of ``t``, rank r keeping the r-th piece in ``out``: as
+    :func:`all_gather_flat`, ``reduce_scatter_single`` from torch 2.13, ``reduce_scatter_tensor``
+    on 2.11."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, t, group=group)
+
+
+def merge_all_gathers_at(graph, nodes, insert_before, wait_before):
+    """:func:`merge_all_gathers`, issued right before ``insert_before`` and waited for right
+    before ``wait_before`` on every supported torch. torch 2.11's ``merge_all_gather_bucket``
+    takes ``insert_before`` but does not pass it on: it issues after the bucket's last gather, and
+    the waits, moved to ``wait_before``, then read the merged gather before it is made. So the
+    gathers (which the merge erases) are moved, in order, to right before the issue point first:
+    after the last of them is then that point on every release. Both points are taken past the
+    bucket's own gathers, which only the merge's nodes replace."""
+    bucket = set(nodes)
+
+    def past_bucket(node):
+        while node in bucket:
+            node = node.next
+        return node
+
+    insert_before, wait_before = past_bucket(insert_before), past_bucket(wait_before)
+    for node in nodes:
+        insert_before.prepend(node)
+    return merge_all_gathers(graph, nodes, insert_before, wait_before)

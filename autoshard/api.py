@@ -33,23 +33,34 @@ from autoshard.progress import Progress
 from autoshard.runtime import DistributedModule
 from autoshard.solver.formulation import Storage, fixed, formulate, pool_blocks, share
 from autoshard.solver.memory import memory_model, predicted_memory, recompute_resharding, timeline
-from autoshard.solver.solve import solve
 
 OPTIMIZER_STATE_PER_PARAM_BYTE = 2.0  # Adam/AdamW: two moments in the parameter's dtype
 
 
-def trace(model: nn.Module, example_inputs, *, mixed_precision: MixedPrecision | None = None) -> TracedModel:
+def trace(model: nn.Module, example_inputs, *, mixed_precision: MixedPrecision | None = None,
+          device=None) -> TracedModel:
     """Trace once (joint fwd+bwd graph on fake tensors), then plan for many clusters.
-    ``mixed_precision`` puts the policy's casts into the traced program (autoshard/precision.py)."""
+    ``mixed_precision`` puts the policy's casts into the traced program (autoshard/precision.py).
+    ``device``: where the program will run (default: where the model is, the CPU for ``meta``);
+    some ops are a device's own (attention), so a plan runs on the device it was traced for."""
     start = time.perf_counter()
     traced = _trace(cast_module(model, mixed_precision),
-                    tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,))
+                    tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,),
+                    device=device)
     annotate(traced.gm)
     traced.mixed_precision = mixed_precision
     if mixed_precision is not None:  # the reduce dtype is not in the graph: a plan for one policy runs no other
         traced.fingerprint = policy_fingerprint(traced.fingerprint, mixed_precision)
     traced.trace_time = time.perf_counter() - start
     return traced
+
+
+def _ilp():
+    """The ILP solver module, imported when a plan is solved: it needs OR-Tools, which running a
+    saved plan (``compile(plan=...)``) does not."""
+    from autoshard.solver import solve
+
+    return solve
 
 
 def _accumulation(k) -> dict:
@@ -60,7 +71,7 @@ def _accumulation(k) -> dict:
 
 
 def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mixed_precision=None,
-             progress: Progress | None = None):
+             progress: Progress | None = None, device=None):
     progress = progress or Progress(False)
     if isinstance(model_or_traced, TracedModel):
         traced = model_or_traced
@@ -69,7 +80,7 @@ def _prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mi
                                   "another); pass mixed_precision to autoshard.trace instead")
     else:
         with progress.stage("tracing"):
-            traced = trace(model_or_traced, example_inputs, mixed_precision=mixed_precision)
+            traced = trace(model_or_traced, example_inputs, mixed_precision=mixed_precision, device=device)
     mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
     with progress.stage("strategies"):
         fallbacks = find_strategies(traced.gm, mesh, strict=strict, memo=traced.strategy_memo)
@@ -158,7 +169,7 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
 
     def run(limit_, minimize="time"):
         small_mm.limit = limit_
-        sol = solve(small, cluster, small_mm, time_limit=time_limit, minimize=minimize, cutoff=cutoff)
+        sol = _ilp().solve(small, cluster, small_mm, time_limit=time_limit, minimize=minimize, cutoff=cutoff)
         sol.choice, sol.recompute = expand(sol.choice, sol.recompute)
         sol.memory = predicted_memory(mm, sol.choice, sol.recompute)
         sol.shared_nodes = shared_nodes
@@ -188,7 +199,8 @@ def _solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sh
         need = float(math.ceil(least.objective * (1 + 1e-9)))  # the ILP's own minimum: feasible as a limit
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
         top = max(least.memory, key=least.memory.get)
-        what = {"state": "parameters, gradients and optimizer state", "activations": "activations saved for backward",
+        what = {"state": "parameters and optimizer state", "grads": "gradients",
+                "optimizer_step": "the optimizer step's temporaries", "activations": "activations saved for backward",
                 "transient": "the largest working set: an op's, a block's gradients being reduced or its gathered "
                              "parameters",
                 "recomputed": "values recomputed in backward",
@@ -225,7 +237,7 @@ def _last_layer_apart(problem, mm, rep, solution, cluster, time_limit, cutoff):
     try:
         # its own time_limit, not what the shared solve left of it: a budget that shrank on a
         # slower machine could stop this solve there and not here, and change an optimal plan
-        better = solve(small, cluster, small_mm, time_limit=time_limit, cutoff=min(bar, cutoff or math.inf))
+        better = _ilp().solve(small, cluster, small_mm, time_limit=time_limit, cutoff=min(bar, cutoff or math.inf))
     except (CutoffError, InfeasibleError):   # proven: no plan faster
         better = None
     except SolverError:   # not proven either way within time_limit: the shared plan is not proven best
@@ -295,10 +307,10 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, gaps=(), limit=Non
         nodes.append(NodeDecision("output", "output", "->(R)", 0.0, "fwd", comm["output"]))
     comm_time = sum(c["time"] for cs in comm.values() for c in cs)
     exposed = sum(c["exposed"] for cs in comm.values() for c in cs)
-    # itemized so the parts add up to the peak: the ILP's "state" is params+grads+optimizer+inputs
+    # the peak moment's bytes, itemized so the parts add up to the peak: the ILP's "state" is
+    # params+optimizer+inputs, and its "grads" the gradients made by then (solver/memory.py)
     memory = {**_state_detail(traced, choice, cluster, problem.storage, problem.micro_batches),
-              "activations": solution.memory["activations"], "recomputed": solution.memory["recomputed"],
-              "transient": solution.memory["transient"], "grad_delivery": solution.memory["grad_delivery"]}
+              **{k: v for k, v in solution.memory.items() if k != "state"}}
     peak = sum(memory.values())
     # the optimizer step on each parameter's storage shard; recomputed nodes' inputs moved again
     optimizer = sum(problem.cost[st][solution.choice[st]] for st in problem.storage.values())
@@ -319,7 +331,8 @@ def _make_plan(traced, cluster, problem, solution, fallbacks, gaps=(), limit=Non
         memory_timeline=list(solution.timeline),
         breakdown={"compute": compute, "comm": comm_time, "exposed_comm": exposed, "recompute": recompute_time,
                    "recompute_comm": recompute_comm, "optimizer": optimizer},
-        grad_accumulation=problem.micro_batches)
+        grad_accumulation=problem.micro_batches, peak_moment=solution.memory.moment,
+        saved_for_backward=solution.memory.saved)
 
 
 def _mfu(traced, cluster, step_time: float) -> float | None:
@@ -413,7 +426,15 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         cluster = cluster.with_mesh(tuple(plan.mesh_shape), tuple(plan.mesh_dim_names))
     if grad_accumulation is None:
         grad_accumulation = getattr(plan, "grad_accumulation", 1) if plan is not None else 1
-    traced, fallbacks, gaps = _prepare(model, cluster, example_inputs, strict, mixed_precision)
+    # the program is traced for the device it runs on: NCCL's ranks compute on GPUs, gloo's on
+    # CPUs, a fake group's (simulated ranks, autoshard/simulate.py) on the model's device
+    backend = dist.get_backend()
+    if backend == "fake":
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+    else:
+        device_type = "cuda" if backend == "nccl" else "cpu"
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    traced, fallbacks, gaps = _prepare(model, cluster, example_inputs, strict, mixed_precision, device=device)
     if plan is None:
         # Rank 0 plans and everyone runs its plan: ranks must never disagree on a tie.
         box = [None]
@@ -432,12 +453,11 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     plan.check_matches(traced.fingerprint, cluster.to_json())
     choice = _choice_from_plan(traced, plan)
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     # sub-groups of an N-D mesh inherit the user's process-group options (its timeout above all:
-    # a dead peer must fail the job in the user's time, not torch's 30-minute default)
-    override = ({d: _torch.default_group_options(device_type) for d in range(len(cluster.mesh_shape))}
-                if len(cluster.mesh_shape) > 1 else None)
+    # a dead peer must fail the job in the user's time, not torch's 30-minute default; a fake
+    # group, under simulated ranks, has none)
+    options = _torch.default_group_options(device_type) if len(cluster.mesh_shape) > 1 else None
+    override = None if options is None else dict.fromkeys(range(len(cluster.mesh_shape)), options)
     mesh = torch.distributed.device_mesh.init_device_mesh(device_type, tuple(cluster.mesh_shape),
                                                           mesh_dim_names=tuple(cluster.mesh_dim_names),
                                                           backend_override=override)

@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autoshard import _torch
 from autoshard.cluster import COLLECTIVES, LOOPBACK, Cluster, DeviceSpec, LinkSpec
 from autoshard.errors import ClusterError
 
@@ -150,9 +151,9 @@ def _collective(kind: str, nbytes: int, group, device: torch.device) -> tuple[Ca
         return (lambda: dt.redistribute(mesh, [Shard(1)]).to_local()), numel * 4
     part = torch.ones(numel // p, dtype=torch.float32, device=device)
     if kind == "all_gather":
-        return (lambda: dist.all_gather_single(full, part, group=group)), numel * 4
+        return (lambda: _torch.all_gather_flat(full, part, group)), numel * 4
     if kind == "reduce_scatter":
-        return (lambda: dist.reduce_scatter_single(part, full, group=group)), numel * 4
+        return (lambda: _torch.reduce_scatter_flat(part, full, group)), numel * 4
     raise ValueError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")
 
 
@@ -394,12 +395,14 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
 
     base = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     # gloo on CPU processes: the emitted module waits on each collective where the graph needs
-    # it, so nothing hides behind compute (NCCL streams keep the DeviceSpec default)
-    overlap = {"comm_overlap": 0.0} if device.type == "cpu" else {}
+    # it, so nothing hides behind compute (NCCL streams keep the DeviceSpec default). On CUDA
+    # torch's AdamW runs foreach, as the vendor presets say; on CPU parameter by parameter
+    # (DeviceSpec's default)
+    per_type = {"comm_overlap": 0.0} if device.type == "cpu" else {"optimizer": "foreach"}
     spec = DeviceSpec(f"calibrated {device.type}: {base}",
                       {k: max(rates.values()) for k, rates in matmul.items()},
                       memory_bandwidth=max(memory.values()), memory=capacity,
-                      compute_efficiency=1.0, memory_efficiency=1.0, launch_overhead=launch, **overlap)
+                      compute_efficiency=1.0, memory_efficiency=1.0, launch_overhead=launch, **per_type)
     calibration = {
         "backend": dist.get_backend(group), "device_type": device.type, "world_size": world,
         "ranks_per_node": ranks_per_node, "torch": torch.__version__,

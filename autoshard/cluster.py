@@ -27,6 +27,7 @@ from autoshard.errors import ClusterError
 
 SCHEMA = 1
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+OPTIMIZERS = ("foreach", "fused", "for-loop")   # DeviceSpec.optimizer: torch's AdamW implementations
 GiB = 2**30
 
 
@@ -72,6 +73,12 @@ class DeviceSpec:
     comm_overlap: the fraction of a block's compute time behind which its parameter gathers and
     gradient reductions can hide (1: GPUs run NCCL on their own streams and the runtime prefetches;
     0: every collective waits in line, as gloo on CPU processes does).
+    optimizer: how the training step's ``torch.optim.AdamW`` runs here, which sets the optimizer
+    step's time and temporaries (autoshard/costmodel.py, solver/memory.py): "foreach" (torch's
+    default on CUDA: each of its ops over every parameter at once, a pass through memory each, and
+    a temporary the size of the parameters), "fused" (``AdamW(fused=True)``: one kernel, no
+    temporary) or "for-loop" (torch's default on CPU, ``foreach=False``: parameter by parameter).
+    The vendor presets' GPUs say "foreach"; a spec says "for-loop" unless told, as a CPU's does.
     """
 
     name: str
@@ -83,9 +90,13 @@ class DeviceSpec:
     memory_efficiency: float = 0.8
     launch_overhead: float = 5e-6
     comm_overlap: float = 1.0
+    optimizer: str = "for-loop"
 
     def __post_init__(self) -> None:
         who = f"DeviceSpec {self.name!r}"
+        if self.optimizer not in OPTIMIZERS:
+            raise ClusterError(f"{who}: optimizer must be one of {', '.join(map(repr, OPTIMIZERS))} (how torch runs "
+                               f"AdamW: torch's default on CUDA, fused=True, or foreach=False), got {self.optimizer!r}")
         if not isinstance(self.peak_flops, dict) or "float32" not in self.peak_flops:
             raise ClusterError(f"{who}: peak_flops must be a dict with at least a 'float32' entry "
                                f"(FLOP/s), got {self.peak_flops!r}")
@@ -138,13 +149,14 @@ class Preset(NamedTuple):
 # NVIDIA A100 Tensor Core GPU data sheet (SXM4): 312 TF bf16/fp16, 156 TF tf32, 19.5 TF fp32 dense;
 # 40GB at 1,555 GB/s, 80GB at 2,039 GB/s. Memory in sheet GB (1e9); usable_fraction absorbs the rest.
 _A100_FLOPS = {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12}
-A100_40GB = DeviceSpec("A100 SXM 40GB", _A100_FLOPS, memory_bandwidth=1.555e12, memory=40e9)
-A100_80GB = DeviceSpec("A100 SXM 80GB", _A100_FLOPS, memory_bandwidth=2.039e12, memory=80e9)
+A100_40GB = DeviceSpec("A100 SXM 40GB", _A100_FLOPS, memory_bandwidth=1.555e12, memory=40e9, optimizer="foreach")
+A100_80GB = DeviceSpec("A100 SXM 80GB", _A100_FLOPS, memory_bandwidth=2.039e12, memory=80e9, optimizer="foreach")
 # NVIDIA H100 / H200 data sheets (SXM): 989 TF bf16/fp16, 494 TF tf32, 67 TF fp32 dense;
 # H100 80GB at 3.35 TB/s, H200 141GB at 4.8 TB/s.
 _H100_FLOPS = {"float32": 67e12, "tf32": 494e12, "bfloat16": 989e12, "float16": 989e12}
-H100 = DeviceSpec("H100 SXM", _H100_FLOPS, memory_bandwidth=3.35e12, memory=80e9)
-H200 = DeviceSpec("H200 SXM", _H100_FLOPS, memory_bandwidth=4.8e12, memory=141e9)
+# torch's AdamW on CUDA runs foreach (DeviceSpec.optimizer)
+H100 = DeviceSpec("H100 SXM", _H100_FLOPS, memory_bandwidth=3.35e12, memory=80e9, optimizer="foreach")
+H200 = DeviceSpec("H200 SXM", _H100_FLOPS, memory_bandwidth=4.8e12, memory=141e9, optimizer="foreach")
 
 # NVLink 3 via NVSwitch: 600 GB/s per GPU both directions (A100 sheet) = 300 GB/s each way.
 NVLINK3 = LinkSpec("NVLink 3", latency=3e-6, bandwidth=300e9)
@@ -166,9 +178,10 @@ def cpu_device(procs_per_node: int = 2) -> DeviceSpec:
     replaced by ``Cluster.calibrate()``: ~50 GFLOP/s fp32 per core with AVX2 FMA, float64 at half
     rate (half the SIMD lanes), bf16/fp16 fall back to the fp32 rate (converted to fp32 without AMX);
     ~10 GB/s of DRAM bandwidth per process; host memory split evenly between the processes;
-    ~10 us per eager op dispatch."""
+    ~10 us per eager op dispatch; AdamW parameter by parameter (torch's default on CPU)."""
     return DeviceSpec("cpu", {"float32": 50e9, "float64": 25e9}, memory_bandwidth=10e9,
-                      memory=24 * GiB / procs_per_node, launch_overhead=10e-6, comm_overlap=0.0)
+                      memory=24 * GiB / procs_per_node, launch_overhead=10e-6, comm_overlap=0.0,
+                      optimizer="for-loop")
 
 
 # gloo over loopback TCP: ~50 us per message round, ~1-2 GB/s. The rate is already an achieved

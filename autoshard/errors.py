@@ -64,3 +64,7 @@ class PlanMismatchError(PlanError):
 class RuntimeMismatchError(AutoshardError, ValueError):
     """Inputs given to a compiled module do not match what its plan expects
     (shape, dtype, world size)."""
+
+
+class UnsupportedTorchError(AutoshardError, ImportError):
+    """The installed torch is outside the range autoshard supports (raised at import)."""

@@ -49,7 +49,7 @@ class Plan:
     compute_time: float
     comm_time: float
     peak_memory: float
-    memory: dict[str, float]       # breakdown: params, grads, optimizer, activations
+    memory: dict[str, float]       # the peak moment's bytes by part: params, grads, optimizer, activations, ...
     fallbacks: list[tuple[str, str]]
     solver: dict                   # status, objective, bound, gap, time, backend, sizes
     stats: dict = field(default_factory=dict, compare=False)   # timings: not saved, not compared
@@ -63,6 +63,10 @@ class Plan:
     # nodes whose every strategy replicates an input that could arrive sharded (passes/coverage.py):
     # {"node", "op", "input", "reason", "source"}
     gaps: list[dict] = field(default_factory=list)
+    # the moment of the step the peak is at (solver/memory.py): "forward", a backward phase's,
+    # "end of backward" or "optimizer step"
+    peak_moment: str = ""
+    saved_for_backward: float = 0.0   # bytes per device forward saves for backward (all live when it ends)
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:
@@ -121,7 +125,9 @@ class Plan:
     def check_matches(self, fingerprint: str, cluster_json: str) -> None:
         if fingerprint != self.fingerprint:
             raise PlanMismatchError(f"this plan was made for another model or input shapes (graph {self.fingerprint}, "
-                                    f"this model's is {fingerprint}); plan this model instead")
+                                    f"this model's is {fingerprint}), or traced for another device or torch "
+                                    f"release (CPU and CUDA attention are different ops); plan this model, on "
+                                    f"the device and torch it runs with")
         from autoshard.cluster import Cluster
 
         mine, theirs = Cluster.from_json(self.cluster), Cluster.from_json(cluster_json)
@@ -292,5 +298,7 @@ def _check_doc(d: dict) -> None:
         for t in d.get("memory_timeline", [])), "memory_timeline", "must be [node name, bytes] pairs")
     for key in ("memory_limit", "mfu"):
         _need(_is_num(d.get(key), allow_none=True), key, "must be a number or null")
+    _need(isinstance(d.get("peak_moment", ""), str), "peak_moment", "must be a string")
+    _need(_is_num(d.get("saved_for_backward", 0.0)), "saved_for_backward", "must be a number")
     if d.get("memory_limit") is not None:
         _need(d["memory_limit"] > 0 and not math.isnan(d["memory_limit"]), "memory_limit", "must be positive")

@@ -48,11 +48,41 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.modules.module import _IncompatibleKeys
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autoshard import _torch
 from autoshard.costmodel import local_shape
 from autoshard.errors import RuntimeMismatchError
 from autoshard.passes.bucket import gather_many, to_storage_many
+
+
+# Optimizer steps taken in this process: a foreach or fused step (AdamW's default on GPUs)
+# updates DTensor parameters in place without bumping their version counter, nor their local
+# tensors', so a kept working copy goes stale at any step (DistributedModule._working_copies).
+_optimizer_steps = 0
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_step)
+
+
+class _LocalPiece(torch.autograd.Function):
+    """``p.to_local()`` that hands ``p`` no gradient back: _PlanStep delivers the parameters'
+    gradients itself and gives autograd none, which torch 2.11's ``to_local`` made zeros, and
+    those reached ``.grad`` inside ``no_sync``."""
+
+    @staticmethod
+    def forward(ctx, p):
+        ctx.set_materialize_grads(False)
+        return p.to_local().view_as(p.to_local())   # a new tensor: the output gets autograd's edge
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
 
 
 class _PlanStep(torch.autograd.Function):
@@ -166,8 +196,8 @@ class DistributedModule(nn.Module):
     def _working_copies(self, primals):
         """The graph's parameter inputs: storage shards, or for a parameter the plan gathers once per
         step (ZeRO-1/2, FSDP without resharding after forward) its working copy, kept until the
-        stored values change (an optimizer step or a load bumps their version). The stale ones
-        are gathered together (rewrite.gather_many: one collective per bucket)."""
+        stored values change (a load bumps their version; optimizer steps are counted). The stale
+        ones are gathered together (rewrite.gather_many: one collective per bucket)."""
         if not self._working:
             return primals
         primals, cache = list(primals), self.__dict__["_working_cache"]
@@ -176,7 +206,7 @@ class DistributedModule(nn.Module):
             p = self.get_parameter(self._param_names[i])
             # the DTensor's counter: an in-place update of a DTensor (optimizer step, load) does
             # not bump the version of its local tensor, the one to_local() hands out
-            version = (primals[i].data_ptr(), _torch.tensor_version(p))
+            version = (_torch.data_address(primals[i]), _torch.tensor_version(p), _optimizer_steps)
             hit = cache.get(i)
             if hit is None or hit[0] != version:
                 stale.append((i, p, placements, version))
@@ -316,7 +346,7 @@ class DistributedModule(nn.Module):
                     f"module.shard_inputs(*global_inputs) to cut the global batch")
         params = [self.get_parameter(n) for n in self._param_names]
         if not self._plain:
-            params = [p.to_local() for p in params]
+            params = [_LocalPiece.apply(p) for p in params]
         buffers = [self.get_buffer(n) for n in self._buffer_names]
         outs = _PlanStep.apply(self, *params, *buffers, *local_inputs)
         return outs[0] if len(outs) == 1 else outs

@@ -24,8 +24,10 @@ interleaved round-robin (a burst of load from the shared host lands on all plans
   each sample scaled by its probe's FLOP rate over the calibrated rate (the step on the machine
   the calibration saw; :func:`step_estimates`), ``raw median ms`` the plain median.
 * memory: the peak bytes of live tensor storage over one whole training step (forward,
-  backward, AdamW update, gradients kept allocated between steps as the plan's memory model
-  assumes), by :class:`autoshard.memtrack.PeakMemory` (a TorchDispatchMode); the larger rank's.
+  backward, AdamW update; ``zero_grad(set_to_none=True)``, torch's default and what the plan's
+  memory model assumes: no gradient between steps, each made during backward), by
+  :class:`autoshard.memtrack.PeakMemory` (a TorchDispatchMode); the larger rank's. AdamW runs as
+  the plan's device says (``DeviceSpec.optimizer``: for-loop on a CPU, foreach on CUDA).
 
 Reported: Spearman rank correlation of predicted vs measured step times, and per plan the
 memory error (predicted / measured - 1).
@@ -66,7 +68,10 @@ PINS = {
     "megatron": {"inputs": [["R"], ["R"]], "*.qkv.*": ["S(0)"], "*.fc.*": ["S(0)"],
                  "*.proj.weight": ["S(1)"], "*.out.weight": ["S(1)"]},
 }
-STATE = ("params", "working_params", "grads", "optimizer", "buffers", "inputs")   # plan.memory's persistent parts
+# plan.memory's parts held between steps (with set_to_none=True no gradient is)
+STATE = ("params", "working_params", "optimizer", "buffers", "inputs")
+# DeviceSpec.optimizer -> torch.optim.AdamW's arguments
+ADAMW = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
 PROBE, PROBE_REPEATS = 512, 3   # the load probe around every sample: ~8 ms of fp32 matmul on one core
 EXTRA = ("fsdp+recompute", "megatron+recompute")   # hand plans with full activation recompute
 TIGHT_CAPS = (0.7, 0.75, 0.65, 0.8, 0.6)   # the tight plan's cap, a fraction of the free plan's peak
@@ -109,12 +114,13 @@ def measure_job(size: str, plans: dict[str, str], warmup: int, samples: int, ste
     runs = {}
     for name, text in plans.items():
         plan = autoshard.Plan.from_json(text)   # a baseline's mesh names its dims by role: its own cluster
+        cluster = autoshard.Cluster.from_json(plan.cluster)
         try:
-            dm = autoshard.compile(model, autoshard.Cluster.from_json(plan.cluster), inputs, plan=plan)
+            dm = autoshard.compile(model, cluster, inputs, plan=plan)
         except Exception as exc:
             raise RuntimeError(f"plan {name!r} does not compile") from exc
-        # foreach=False: the update's temporaries stay per parameter, as a fused kernel's would
-        opt = torch.optim.AdamW(dm.parameters(), lr=1e-4, foreach=False)
+        # the AdamW whose step temporaries the plan counts
+        opt = torch.optim.AdamW(dm.parameters(), lr=1e-4, **ADAMW[cluster.device.optimizer])
         runs[name] = (dm, opt, dm.shard_inputs(*inputs))
 
     def step(name):
@@ -123,7 +129,7 @@ def measure_job(size: str, plans: dict[str, str], warmup: int, samples: int, ste
         dm(*local).backward()
         t1 = time.perf_counter()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=True)
         return t1 - t0, time.perf_counter() - t1
 
     for name in runs:

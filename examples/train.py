@@ -2,6 +2,8 @@
 
     # 2 CPU processes on this machine
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/train.py --steps 3
+    # one GPU (NCCL, world size 1), planned for that GPU alone (the preset is found by its name)
+    torchrun --nproc-per-node 1 examples/train.py --steps 3
     # 2 nodes x 8 H100s, planned for the DGX H100 preset (run on every node)
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/train.py --preset dgx-h100 --layers 12 --hidden 768 --heads 12 --seq 1024 \\
@@ -39,21 +41,38 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="GPUs only: plan for this cluster preset (mesh nodes x GPUs per node)")
+                   help="GPUs only: plan for this cluster preset (mesh nodes x GPUs per node; fewer GPUs than "
+                        "a node: one node's mesh of that many); default: the preset whose GPU this is")
     p.add_argument("--plan", metavar="PATH", default=None,
                    help="run a saved plan (JSON from --save-plan or examples/plan_gpt2.py) instead of planning")
     p.add_argument("--save-plan", metavar="PATH", default=None, help="rank 0 writes the plan as JSON here")
     return p.parse_args()
 
 
+def gpu_preset() -> str:
+    """The preset whose device is this process's GPU, by its name (and memory, for the A100s)."""
+    name = torch.cuda.get_device_name()
+    if "A100" in name:
+        memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return "dgx-a100-80gb" if memory > 50e9 else "dgx-a100-40gb"
+    for key, preset in (("H200", "hgx-h200"), ("H100", "dgx-h100")):
+        if key in name:
+            return preset
+    raise SystemExit(f"no cluster preset describes the GPU {name!r}; pass --preset with the closest of "
+                     f"{', '.join(sorted(PRESETS))}")
+
+
 def make_cluster(args, world_size: int, on_gpu: bool) -> autoshard.Cluster:
-    if not on_gpu or args.preset is None:
+    if not on_gpu:
         return autoshard.Cluster.local(world_size)
-    per_node = PRESETS[args.preset].gpus_per_node
-    if world_size % per_node:
-        raise SystemExit(f"--preset {args.preset} has {per_node} GPUs per node, but the world size is "
-                         f"{world_size}; launch a multiple of {per_node} processes")
-    return autoshard.Cluster.preset(args.preset, nodes=world_size // per_node)
+    name = args.preset or gpu_preset()
+    preset = PRESETS[name]
+    if world_size < preset.gpus_per_node:  # part of one node (one GPU, say): a flat mesh over its links
+        return autoshard.Cluster((world_size,), ("gpu",), preset.device, [preset.intra], ranks_per_node=world_size)
+    if world_size % preset.gpus_per_node:
+        raise SystemExit(f"--preset {name} has {preset.gpus_per_node} GPUs per node, but the world size is "
+                         f"{world_size}; launch fewer than {preset.gpus_per_node} processes or a multiple of it")
+    return autoshard.Cluster.preset(name, nodes=world_size // preset.gpus_per_node)
 
 
 def batch_for(step: int, config: GPTConfig, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,11 +85,14 @@ def batch_for(step: int, config: GPTConfig, batch: int, device) -> tuple[torch.T
 def main() -> None:
     args = parse_args()
     on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    if on_gpu:  # one GPU per process, by its index on this node; compile builds on the current device
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     log = print if rank == 0 else (lambda *a, **k: None)
     try:
         config = GPTConfig(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)

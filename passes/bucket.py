@@ -35,7 +35,6 @@ import operator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -277,7 +276,7 @@ def _gather_bucket(items: list, bucket: list[tuple[int, int]], d: int, out: list
     locals_ = [items[j][0].to_local() for j, _ in bucket]
     flat = torch.cat([t.reshape(-1) for t in locals_])
     gathered = flat.new_empty(p * flat.numel())
-    dist.all_gather_single(gathered, flat, group=mesh.get_group(d))  # all_gather_into_tensor: deprecated in 2.13
+    _torch.all_gather_flat(gathered, flat, mesh.get_group(d))
     gathered = gathered.view(p, flat.numel())
     # rank r's piece of every tensor, rank after rank: a tensor is its pieces joined along k
     for (j, k), t, piece in zip(bucket, locals_, gathered.split([t.numel() for t in locals_], dim=1)):
@@ -322,11 +321,13 @@ def bucket_gathers(gm: fx.GraphModule, block_of: dict[str, object]) -> fx.GraphM
     for bucket in buckets:
         issue = bucket[0] if arrived is None else arrived.next
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-        for member in bucket:
-            for n in sorted(_input_chain(member), key=pos.__getitem__):
-                if pos[n] > pos[issue]:
-                    issue.prepend(n)   # earlier is safe: its inputs are graph inputs or moved before it
-        arrived = _torch.merge_all_gathers(gm.graph, bucket, issue, bucket[0])
+        # each node once, in graph order: members share chain nodes (one transpose read by two
+        # copies), and a shared node moved again would land after what reads it
+        chains = {n for member in bucket for n in _input_chain(member)}
+        for n in sorted(chains, key=pos.__getitem__):
+            if pos[n] > pos[issue]:
+                issue.prepend(n)   # earlier is safe: its inputs are graph inputs or moved before it
+        arrived = _torch.merge_all_gathers_at(gm.graph, bucket, issue, bucket[0])
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -332,6 +332,16 @@ def runs_locally(node: fx.Node, strategy) -> bool:
     return fact is not None and fact.local and not fact.neutral and bool(split_dims(fact, strategy))
 
 
+def holds_table(strategy) -> bool:
+    """Whether a table op (a neutral fact: the region's per-expert counts, their offsets) keeps its
+    tensors replicated on every mesh dim under ``strategy``. Once the region splits tokens, each
+    rank's table counts its own rows: replicated in name only, so any resharding would mix the
+    ranks' tables (Replicate -> Partial keeps mesh coordinate 0's, and the sum that follows hands
+    that one to every rank). A table is one number per expert: held replicated it costs nothing,
+    also where the region runs globally."""
+    return all(p is None or all(isinstance(x, Replicate) for x in p) for p in (*strategy.outputs, *strategy.inputs))
+
+
 def token_local_strategies(fact: TokenLocal, ndim: int) -> list[tuple[tuple, tuple]]:
     """(outputs, inputs) placements splitting tokens over each non-empty set of mesh dims,
     replicated on the others."""

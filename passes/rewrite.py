@@ -84,9 +84,9 @@ def _to_placements(dt: DTensor, placements, reduce_dtype: torch.dtype | None = N
     staged = tuple(Replicate() if d in to_partial else p for d, p in enumerate(placements))
     if tuple(dt.placements) != staged:
         dt = dt.redistribute(mesh, staged)
-    local = dt.to_local()
-    if any(mesh.get_local_rank(d) != 0 for d in to_partial):
-        local = torch.zeros_like(local)
+    # a product with 1 there and 0 elsewhere, not zeros on some ranks only: every rank runs the
+    # same ops, its rank in integer arguments alone (what simulated ranks run: autoshard/simulate.py)
+    local = dt.to_local() * int(all(mesh.get_local_rank(d) == 0 for d in to_partial))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=dt.shape, stride=dt.stride())
 
 

@@ -386,16 +386,32 @@ def _strategies(node: fx.Node, mesh, mesh_shape, rep) -> tuple[list[Strategy], s
     raw, reason = _enumerate(node, mesh)
     seen: dict[Strategy, None] = {}
     for outs, ins in raw:
-        if _keep(node, outs, ins, mesh_shape):
+        if _keep(node, outs, ins, mesh_shape) and not _scatters_into_split_dim(node, outs, ins):
             seen.setdefault(Strategy(outs, ins, _shards(outs, ins, mesh_shape)))
     # Canonical order: DTensor's rules iterate sets whose order varies between processes
     # (string hashing), and every rank must see the same problem to pick the same plan.
     strategies = sorted(seen, key=str)
     if not strategies:  # every rule shards unevenly here: replicate is always valid, and reported
-        n_out = len(_tensor_vals(node.meta["val"]))
-        strategies = [Strategy(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)), 1)]
+        strategies = [_replicated(node, rep)]
         reason = reason or f"{node.target}: no rule shards these shapes evenly on mesh {mesh_shape}"
     return strategies, reason
+
+
+def _scatters_into_split_dim(node: fx.Node, outs, ins) -> bool:
+    """An ``index_put`` whose destination is split on a dim its indices select: each rank would
+    write global positions into its own rows. torch 2.11's rule offers that where the values have
+    the destination's rank (batched_mm Mixtral's expert-weight gradient, scattered by expert id);
+    later releases do not. (A token-local region's scatters, on each rank's own positions, get
+    their strategies apart: passes/regions.py.)"""
+    if node.target is not torch.ops.aten.index_put.default:
+        return False
+    selected = {d for d, index in enumerate(node.args[1]) if index is not None}
+    return any(isinstance(p, Shard) and p.dim in selected for pl in (outs[0], ins[0]) if pl is not None for p in pl)
+
+
+def _replicated(node: fx.Node, rep: Placements) -> Strategy:
+    n_out = len(_tensor_vals(node.meta["val"]))
+    return Strategy(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)), 1)
 
 
 def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dict | None = None) -> list[tuple[str, str]]:
@@ -432,7 +448,7 @@ MEMO_SHAPES = 8   # mesh shapes a memo keeps (a plan over logical meshes tries a
 
 
 def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, str]]:
-    from autoshard.passes.regions import META_KEY as REGION_KEY, find_regions, token_local_strategies
+    from autoshard.passes.regions import META_KEY as REGION_KEY, find_regions, holds_table, token_local_strategies
 
     find_regions(gm)
     rep = tuple([Replicate()] * mesh.ndim)
@@ -464,7 +480,11 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
             if key is not None:
                 cache[key] = (strategies, reason)
         fact = node.meta.get(REGION_KEY)
-        if fact is not None and not fact.neutral:
+        if fact is not None and fact.neutral:
+            # a region's counts and offsets stay replicated (passes/regions.py, holds_table): from
+            # torch 2.15 DTensor's cumsum rule also passes Partial through, and a plan took it
+            strategies = [s for s in strategies if holds_table(s)] or [_replicated(node, rep)]
+        elif fact is not None:
             # a token-local region's ops also run on each rank's own tokens (passes/regions.py)
             extra = [Strategy(outs, ins, _shards(outs, ins, mesh_shape))
                      for outs, ins in token_local_strategies(fact, mesh.ndim) if _keep(node, outs, ins, mesh_shape)]

@@ -44,18 +44,34 @@ class TracedModel:
     input_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     fingerprint: str = ""
     trace_time: float = 0.0                    # seconds spent tracing and annotating
+    device: torch.device = torch.device("cpu")  # where the traced program runs (its ops are that device's)
     # mesh shape -> its strategies (passes.strategies.find_strategies): planned again, not re-enumerated
     strategy_memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def _fake_like(fake_mode, t: torch.Tensor) -> torch.Tensor:
+def _fake_like(fake_mode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
     with fake_mode:
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     return out
 
 
+def trace_device(model: nn.Module, example_inputs: tuple, device=None) -> torch.device:
+    """Where the traced program runs, which decides some of its ops (CPU and CUDA attention are
+    different kernels): ``device`` if given, else the first parameter's or input's that is not on
+    ``meta``, else the CPU. Tracing on CUDA needs a GPU (autograd's engine asks it for a context)."""
+    if device is None:
+        tensors = [*model.parameters(), *model.buffers(), *(a for a in example_inputs if isinstance(a, torch.Tensor))]
+        device = next((t.device for t in tensors if t.device.type != "meta"), "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TraceError("tracing for a CUDA device needs a GPU in this process (autograd asks the device for a "
+                         "context, even on fake tensors); trace where the GPU is, or for device='cpu' (a plan "
+                         "traced for the CPU runs on CPU processes: attention is another kernel on a GPU)")
+    return device
+
+
 @contextlib.contextmanager
-def _fake_parameters(model: nn.Module, fake_mode):
+def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
     """Swap every parameter and buffer for a fake one (no memory), restoring them on exit.
 
     A module on ``meta`` cannot be traced jointly as-is; a real one must not be read or copied
@@ -70,7 +86,7 @@ def _fake_parameters(model: nn.Module, fake_mode):
                     if t is None:
                         continue
                     if id(t) not in fakes:
-                        f = _fake_like(fake_mode, t)
+                        f = _fake_like(fake_mode, t, device)
                         fakes[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if kind == "_parameters" else f
                     saved.append((mod, kind, name, t))
                     getattr(mod, kind)[name] = fakes[id(t)]
@@ -145,15 +161,17 @@ def _hint(where: str) -> str:
             "experts or cache implementation), or report it.")
 
 
-def trace(model: nn.Module, example_inputs: tuple) -> TracedModel:
-    """Trace ``model(*example_inputs)`` (which must return a scalar loss, or tensors) jointly."""
+def trace(model: nn.Module, example_inputs: tuple, device=None) -> TracedModel:
+    """Trace ``model(*example_inputs)`` (which must return a scalar loss, or tensors) jointly, on
+    fake tensors on ``device`` (:func:`trace_device`)."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
+    device = trace_device(model, example_inputs, device)
     fake_mode = _torch.FakeTensorMode(allow_non_fake_inputs=False)
-    args = tuple(_fake_like(fake_mode, a) if isinstance(a, torch.Tensor) else a for a in example_inputs)
+    args = tuple(_fake_like(fake_mode, a, device) if isinstance(a, torch.Tensor) else a for a in example_inputs)
     was_training = model.training
     try:
-        with _fake_parameters(model, fake_mode), _torch.joint_export(model, args, _model_line) as jd:
+        with _fake_parameters(model, fake_mode, device), _torch.joint_export(model, args, _model_line) as jd:
             gm = jd.graph_module
     except Exception as exc:  # noqa: BLE001 - re-raised typed, with the user's line
         where = _user_frame(exc)
@@ -171,6 +189,7 @@ def trace(model: nn.Module, example_inputs: tuple) -> TracedModel:
     traced = _pair(gm, example_inputs)
     _tie(traced, model)
     traced.fingerprint = _fingerprint(traced.gm)
+    traced.device = device
     return traced
 
 

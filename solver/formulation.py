@@ -381,10 +381,17 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
     for v in rep:
         copies[r(v)] = copies.get(r(v), 0) + 1
     m = MemoryModel(mm.limit, recompute_all=mm.recompute_all, mesh_shape=mm.mesh_shape, block=dict(problem.block),
-                    copies=copies, alias={v: r(v) for v in rep}, reduce_in_backward=mm.reduce_in_backward)
-    for table, out in ((mm.state, m.state), (mm.act, m.act)):
+                    copies=copies, alias={v: r(v) for v in rep}, reduce_in_backward=mm.reduce_in_backward,
+                    phases=mm.phases, phase_names=list(mm.phase_names), optimizer=mm.optimizer)
+    for table, out in ((mm.state, m.state), (mm.act, m.act), (mm.grad, m.grad), (mm.param, m.param)):
         for v, vals in table.items():
             out[r(v)] = [a + b for a, b in zip(out.get(r(v), [0.0] * len(vals)), vals)]
+    # a class's share of its copies live (made, replayed) in each backward phase: their mean
+    for table, out in ((mm.live, m.live), (mm.replay, m.replay), (mm.start, m.start), (mm.made, m.made)):
+        for v, vec in table.items():
+            n = copies.get(r(v), 1)
+            out[r(v)] = tuple(a + b / n for a, b in zip(out.get(r(v), (0.0,) * len(vec)), vec))
+    m.inside = {r(v) for v in mm.inside}
     for v, vals in mm.work.items():
         m.work[r(v)] = [max(a, b) for a, b in zip(m.work.get(r(v), vals), vals)]
     m.needed = list(dict.fromkeys(r(v) for v in mm.needed))
@@ -398,6 +405,9 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
             m.base_of[r(v)] = r(u)
     m.held = [(r(st), r(p), nbytes) for st, p, nbytes in mm.held]
     m.view_edge = {r(v): new_of[e] for v, e in mm.view_edge.items() if r(v) in m.base_of}
+    for key, moments in mm.at.items():   # an op or an edge: its copies' moments
+        shared_key = new_of.get(key) if isinstance(key, Edge) else r(key)
+        m.at[shared_key] = m.at.get(shared_key, frozenset()) | moments
     m.grads = list(dict.fromkeys(new_of[e] for e in mm.grads))
     m.last_bucket = {new_of[e] for e in mm.last_bucket}
     m.uses = list(dict.fromkeys(new_of[e] for e in mm.uses))

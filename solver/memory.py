@@ -1,63 +1,106 @@
 """memory: what each decision costs in per-device bytes, and which activations may be recomputed.
 
-    peak = sum_{v,s} state[v,s] x[v,s]              parameters (+ gradients and optimizer state
-                                                     when trained) by storage placement, buffers,
-                                                     inputs; with K > 1 micro-batches also each
-                                                     gradient's accumulation buffer, unreduced,
-                                                     by its producer's placement
-         + sum_p sum_{q != s} w[p,s] y[p,q,s]        working copies: parameter p gathered from
-                                                     storage q to working placement s, kept for
-                                                     the step (y: the storage -> working edge's
-                                                     flow variables; w: bytes at s)
-         + sum_{v,s} act[v,s] k[v,s]                 activations kept for backward
-         + T_rec,  T_rec >= sum_{v in B} sum_s act[v,s] g[v,s]
-                              + sum_{v in B_b} sum_s act[v,s] (j[v,s] - g[v,s]) / n_v   (every b)
-                                                     values recomputed in backward: from its
-                                                     start (g = x a, a below), or while their
-                                                     block's backward runs (j = x r)
-         + T,  T >= sum_s work[v,s] x[v,s]  (all v)  the largest op's working set: its
-                                                     outputs and the inputs no other term holds
-                                                     (not parameters, buffers or the batch; in
-                                                     backward not the forward values it reads,
-                                                     which are saved or recomputed)
-         <= limit
+A training step holds different things at different moments, and the peak is the largest of them.
+Each moment is a row of the ILP (moment <= peak <= limit), and :func:`predicted_memory` evaluates
+the same rows for a plan:
 
-Gradients. With one micro-batch the backward graph reduces each block's gradients as soon as
-the block's last one is made (passes/bucket.py: a flat all-reduce or reduce-scatter per block, as
-DDP and FSDP do), so while block b's bucket is packed it holds b's unreduced gradients and their
-flat copy; the reduced result is the parameter's gradient, which ``state`` counts. That is one
-more working set under T:
+    forward             S + A + T_fwd
+    backward phase p    S + G_p + A_p + R_p + T_p          (every phase p of backward, below)
+    end of backward     S + G + D                          (what backward hands over unreduced)
+    optimizer step      S + G + O
 
-         T >= sum_{grad edges e of b} sum_{q,p} f[e,q,p] y[e,q,p] / n_e      (every block b)
+    S = sum_{v,s} state[v,s] x[v,s]                  parameters and optimizer state by storage
+        + sum_p sum_{q != s} w[p,s] y[p,q,s]         placement, buffers, inputs; with K > 1
+                                                     micro-batches also each gradient's
+                                                     accumulation buffer, unreduced, by its
+                                                     producer's placement; and the working copies:
+                                                     parameter p gathered from storage q to working
+                                                     placement s, kept for the step (y: the
+                                                     storage -> working edge's flow variables; w:
+                                                     bytes at s)
+    G = sum_{v,s} grad[v,s] x[v,s]                   every trained parameter's gradient, at its
+                                                     storage placement
+    G_p = sum_{v,s} made[v,p] grad[v,s] x[v,s]       the gradients backward has made by the end of
+                                                     phase p (with K > 1: G in every moment, the
+                                                     forward's too, an upper bound: the runtime
+                                                     moves them to storage after the last
+                                                     micro-batch, the earlier ones' sums are in S)
+    A = sum_{v,s} act[v,s] k[v,s] + sum_v c_v        activations kept for backward
+    A_p = sum_{v,s} live[v,p] act[v,s] k[v,s]        those still to be read in phase p or later
+          + sum_v live[v,p] c_v
+    R_p = sum_{v in B} sum_s start[v,p] act[v,s] g[v,s]
+          + sum_{v in B} sum_s replay[v,p] act[v,s] (j[v,s] - g[v,s])
+                                                     values recomputed in backward: from
+                                                     backward's start (g = x a, a below) until
+                                                     their last reader, or (j = x r) from their
+                                                     first reader to their last
+    T_fwd >= sum_s work[v,s] x[v,s]   (forward v)    the largest working set: an op's outputs and
+    T_p >= sum_s work[v,s] x[v,s]     (v in p)       the inputs no other term holds (not
+                                                     parameters, buffers or the batch; in backward
+                                                     not the forward values it reads, which are
+                                                     saved or recomputed)
+    O = sum_{v,s} param[v,s] x[v,s]                  the optimizer's temporary (param[v,s]: a
+                                                     trained parameter's local bytes at storage
+                                                     placement s), below
 
-(f: :func:`in_flight`, one layer copy's: n_e the copies a shared edge sums; a gradient is in
-its parameter's block, :func:`bucket_of`), an upper bound: it adds to every saved activation,
-while a layer's backward has freed its own. The last bucket, what backward makes after the
-last layer (the embeddings' gradients), is reduced when no activation is left: it goes in the
-second moment below. A block's parameters gathered at their uses (FSDP's reshard-after-forward;
-bucketed per block and phase, passes/bucket.py) are a working set too, measured at three copies
-(the flat buffer being unpacked, its pieces, and the neighbouring block's pieces still in use):
+Gradients. With ``zero_grad(set_to_none=True)`` (torch's default) no gradient exists when
+backward starts; each appears when backward makes it and lives until the next step's
+``zero_grad``, while the activations die at their last reader. Backward runs the model's blocks
+one after another (``problem.block``: a repeated layer's copy; every other node in no block), so
+its phases are: 0, what runs before the first layer's backward (the loss and the head); one per
+layer copy, in backward's order (nodes in no block that run among them join the phase they run
+in); and last what runs after the last layer (the embeddings). A gradient is made in its
+producer's phase (made[v,p] = 1 from then on); a kept forward value is live up to the last phase
+that reads it, itself, through a view, or as the input of a node that may be replayed there
+(live[v,p] = 1 until then: an upper bound where the plan recomputes nothing that late). The
+largest backward moment is then the first phase (every activation, the head's gradients), the
+last (every gradient, the first layer's activations), or one between: a tight upper bound, not
+every gradient on top of every activation. Without repeated layers backward is one phase: every
+gradient and every saved activation at once. In a shared problem (formulation.share) a class node
+sums its copies, so made, live, start and replay are the share of its copies made or live in
+phase p (one copy per layer: the phases at and after its layer's).
 
-         T >= 3 sum_{uses e of b, phase} sum_{q,p} gathered[e,q,p] y[e,q,p] / n_e
+The optimizer step runs when backward has finished: no activation is left, every gradient is
+there, and the optimizer adds its temporaries (``DeviceSpec.optimizer``, torch's AdamW):
+"foreach" (torch's default on CUDA) computes sqrt(v) for every parameter at once, a temporary the
+size of the parameters (O above; measured on one H200 at 8B parameters, bf16: the step's peak at
+five times the parameter bytes, parameters + gradients + two moments + that temporary); the
+for-loop version (torch's default on CPU) holds two such temporaries of one parameter at a time,
+O >= 2 sum_s param[v,s] x[v,s] for every parameter v; "fused" holds none (O = 0).
+
+Buckets. With one micro-batch the backward graph reduces each block's gradients as soon as the
+block's last one is made (passes/bucket.py: a flat all-reduce or reduce-scatter per block, as DDP
+and FSDP do), so while block b's bucket is packed it holds b's unreduced gradients and their flat
+copy; the reduced result is the parameter's gradient, which G counts. That is one more working
+set, in the phase that makes them:
+
+         T_p >= sum_{grad edges e of b} sum_{q,p'} f[e,q,p'] y[e,q,p'] / n_e      (b's phase p)
+
+(f: :func:`in_flight`, one layer copy's: n_e the copies a shared edge sums; a gradient is in its
+parameter's block, :func:`bucket_of`). The last bucket, what backward makes after the last layer
+(the embeddings' gradients), is reduced when no activation is left: it goes in D. A block's
+parameters gathered at their uses (FSDP's reshard-after-forward; bucketed per block and phase,
+passes/bucket.py) are a working set too, measured at three copies (the flat buffer being
+unpacked, its pieces, and the neighbouring block's pieces still in use), in forward (T_fwd) or in
+the phase of the block's backward:
+
+         T >= 3 sum_{uses e of b, phase} sum_{q,p'} gathered[e,q,p'] y[e,q,p'] / n_e
 
 (outside the layers the gathers of one consumer go together: T >= their gathered copies).
 
 What backward cannot reduce that way (moves other than a summed partial to Replicate or to one
 Shard, moves whose pieces differ in shape from rank to rank, and every gradient with K > 1
 micro-batches, whose unreduced sums the runtime keeps and moves after the last one) it hands
-over at its end, a second moment, when no activation is left:
+over at its end, when no activation is left:
 
-         sum_{v,s} state[v,s] x[v,s] + working copies
-         + sum_{e in the last bucket} sum_{q,p} f[e,q,p] y[e,q,p]
-         + sum_{such e} sum_{q,p} g[e,q,p] y[e,q,p]      the gradients backward hands over, and
-                                                        their copies in the runtime's flat
-                                                        buckets (:func:`delivered`)
-         <= limit
+         D = sum_{e in the last bucket} sum_{q,p'} f[e,q,p'] y[e,q,p']
+             + sum_{such e} sum_{q,p'} g[e,q,p'] y[e,q,p']   the gradients backward hands over,
+                                                           and their copies in the runtime's flat
+                                                           buckets (:func:`delivered`)
 
-where k[v,s] = x[v,s] keep_v, written in its tight (convex-hull) form: k[v,s] <= x[v,s],
-sum_s k[v,s] = keep_v. All saved activations are live together when backward starts, so their sum
-is the activation peak. ``keep_v`` (save v for backward) and ``r_v`` (recompute v in backward)
-obey Checkmate-style validity:
+Saved activations. k[v,s] = x[v,s] keep_v, written in its tight (convex-hull) form: k[v,s] <=
+x[v,s], sum_s k[v,s] = keep_v. ``keep_v`` (save v for backward) and ``r_v`` (recompute v in
+backward) obey Checkmate-style validity:
 
     keep_u + r_u >= 1        for every forward value u that backward reads
     keep_u + r_u >= r_v      for every forward input u of a recomputed v
@@ -85,13 +128,9 @@ line (exact where nothing overlaps, as on gloo; an upper bound where prefetch co
 
 Recomputed values live in backward: torch's partitioner (``reordering_to_mimic_autograd_engine``)
 replays a recomputed node just before backward first needs it, so block b's values come back
-while b's backward runs and die at their last use; one block's backward runs at a time. B_b is
-the recomputed nodes of block b that backward reads (the ones that stay until a backward op;
-the intermediates that only feed other replays die at once), and n_v the layer copies v's terms
-sum (1, or in a shared problem its class's: one copy replays at a time; formulation.share).
-Blocks are ``problem.block``'s: a repeated layer's copy, all other nodes one more block. They
-add to the saved activations' peak: the last block's backward starts with every saved
-activation still live.
+while b's backward runs and die at their last use (replay[v,p] = 1 from the phase of v's first
+backward reader to its last's). B is the recomputed nodes backward reads (the ones that stay
+until a backward op; the intermediates that only feed other replays die at once).
 
 A replay runs back to the nearest saved values, so what the first backward ops read (the loss
 and the head, before backward reaches a repeated layer: :func:`backward_start_reads`) brings
@@ -102,9 +141,15 @@ a_v = 1 marks such a node, the least solution of
     a_u >= r_u                      u read by the first backward ops
     a_u >= a_v + r_u - 1            u an input of v,    a_v <= r_v
 
-B = the nodes backward reads (as B_b); a recomputed one with a_v = 1 stays live from the start
-of backward to its backward use; the others (r_v - a_v = 1: behind a saved value, e.g. what only
-the saved attention output needs) come back lazily, one block's at a time, on top.
+and it stays live from the start of backward to its last reader (start[v,p] = 1 until then); the
+others (r_v - a_v = 1: behind a saved value, e.g. what only the saved attention output needs)
+come back lazily, in their own phases.
+
+Per-layer activation checkpointing (``recompute="full"``, :attr:`MemoryModel.recompute_all`)
+recomputes every recomputable node inside the layers (from the first layer's first forward node
+to the last layer's last) but the values that cross a layer's boundary, as
+``torch.utils.checkpoint`` around each layer and Megatron's full recomputation do; the head and
+the loss stay saved. A model without repeated layers recomputes every node it can.
 
 Views and getitems alias their input and cost no bytes of their own; parameters and inputs are
 always available; seeded random ops (dropout) are never recomputed.
@@ -124,6 +169,8 @@ from autoshard.passes.annotate import META_KEY as COST_KEY, is_free, tensor_byte
 from autoshard.passes.coarsen import LAYER_KEY
 from autoshard.passes.strategies import META_KEY, per_strategy_list, tensor_inputs, value_of
 
+FORWARD = -1   # the forward pass's moment, beside backward's phases 0, 1, ...
+
 
 @dataclass
 class MemoryModel:
@@ -135,12 +182,13 @@ class MemoryModel:
     recomputable: list[fx.Node] = field(default_factory=list)
     inputs_of: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     base_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
-    recompute_all: bool = False     # every recomputable node recomputed but the checkpoints
+    recompute_all: bool = False     # every recomputable node inside the layers recomputed but the checkpoints
     # The values that cross a repeated layer's boundary (its inputs, its output to the head). With
     # recompute_all they are saved, as per-layer activation checkpointing (Megatron's full
     # recomputation) saves them: recomputing them too would replay the whole forward at the start
     # of backward (:func:`replayed_at_start`), saving almost nothing.
     checkpoints: set = field(default_factory=set)
+    inside: set = field(default_factory=set)   # forward nodes from the first layer's first to the last's last
     mesh_shape: tuple = ()
     held: list = field(default_factory=list)   # (storage, parameter, bytes): a gathered working copy
     block: dict = field(default_factory=dict)  # node -> its block (problem.block): whose backward replays it
@@ -153,6 +201,19 @@ class MemoryModel:
     last_bucket: set = field(default_factory=set)  # grad edges reduced after the last layer's backward
     uses: list = field(default_factory=list)   # a parameter's (or its view's) edges into its consumers
     decided: dict = field(default_factory=dict)  # node -> whether to recompute it, held fixed (api: last layer apart)
+    # The moments (module docstring): backward's phases, and per phase p the share of a value live
+    # (live[v][p]), replayed from its first reader (replay) or from backward's start (start), or of
+    # a gradient made (made[storage][p]); ``at``: the moments an op's or an edge's working set is in
+    phases: int = 1
+    phase_names: list = field(default_factory=lambda: ["backward"])
+    live: dict = field(default_factory=dict)
+    replay: dict = field(default_factory=dict)
+    start: dict = field(default_factory=dict)
+    made: dict = field(default_factory=dict)
+    at: dict = field(default_factory=dict)
+    grad: dict = field(default_factory=dict)   # storage -> its gradient's bytes per strategy (grad[v,s])
+    param: dict = field(default_factory=dict)  # storage -> a trained parameter's bytes per strategy (param[v,s])
+    optimizer: str = "for-loop"                # DeviceSpec.optimizer: the optimizer step's temporaries
 
     @property
     def candidates(self) -> list[fx.Node]:
@@ -164,6 +225,10 @@ class MemoryModel:
         seen.update(dict.fromkeys(self.base_of))
         seen.update(dict.fromkeys(self.base_of.values()))
         return list(seen)
+
+    def grads_live_everywhere(self) -> bool:
+        """With K > 1 micro-batches G counts in every moment (module docstring)."""
+        return not self.reduce_in_backward
 
 
 def _outputs_bytes(node: fx.Node) -> list[float]:
@@ -182,11 +247,44 @@ def _producer(node: fx.Node) -> fx.Node:
     return value_of(node)[0]
 
 
+def backward_phases(graph: fx.Graph, block: dict) -> tuple[dict[fx.Node, int], list[str]]:
+    """Each backward node's phase (module docstring, "Gradients") and each phase's name: what
+    runs before the first node in a block, one phase per run of a block, what runs after the
+    last; a node in no block among the layers, or a view (it does no work), joins the phase it
+    runs in."""
+    nodes = [n for n in graph.nodes if _phase(n) == "bwd"]
+    of = {n: None if is_free(n) else block.get(n) for n in nodes}
+    layered = [i for i, n in enumerate(nodes) if of[n] is not None]
+    if not layered:
+        return dict.fromkeys(nodes, 0), ["backward"]
+    first, last = layered[0], layered[-1]
+    out, names, key = {}, [], None
+    for i, n in enumerate(nodes):
+        b = of[n]
+        now = "head" if i < first else "tail" if i > last else key if b is None else ("block", b)
+        if now != key:
+            key = now
+            name = {"head": "backward, before the layers", "tail": "backward, after the layers"}.get(
+                now, f"backward of layer {now[1]}" if isinstance(now, tuple) else "")
+            names.append(name if name not in names else f"{name} ({len(names)})")   # a block's second run
+        out[n] = len(names) - 1
+    return out, names
+
+
+def _until(phases: int, last: int) -> tuple[float, ...]:
+    """1 in phases 0..last, 0 after."""
+    return tuple(1.0 if p <= last else 0.0 for p in range(phases))
+
+
+def _between(phases: int, first: int, last: int) -> tuple[float, ...]:
+    return tuple(1.0 if first <= p <= last else 0.0 for p in range(phases))
+
+
 def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float) -> MemoryModel:
     """optimizer_factor: optimizer-state bytes per parameter byte (Adam: 2)."""
     mesh = cluster.mesh_shape
     mm = MemoryModel(limit, mesh_shape=tuple(mesh), block=dict(problem.block),
-                     reduce_in_backward=problem.micro_batches == 1)
+                     reduce_in_backward=problem.micro_batches == 1, optimizer=cluster.device.optimizer)
     sized: dict = {}   # one sum per (strategy list, output sizes)
 
     def local_outputs(node: fx.Node) -> list[float]:
@@ -196,9 +294,11 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     trained = {name for name, g in traced.grads.items() if g is not None}
     for name, node in traced.params:
         # at its storage placement: a frozen parameter has no gradient and no optimizer state
-        factor = 2.0 + optimizer_factor if name in trained else 1.0
-        mm.state[problem.storage[node]] = [b * factor for b in local_outputs(node)]
-        mm.held.append((problem.storage[node], node, tensor_bytes(node.meta["val"])))
+        st, local = problem.storage[node], local_outputs(node)
+        mm.state[st] = [b * (1.0 + optimizer_factor) for b in local] if name in trained else list(local)
+        if name in trained:
+            mm.grad[st], mm.param[st] = list(local), list(local)
+        mm.held.append((st, node, tensor_bytes(node.meta["val"])))
     for node in [*traced.inputs, *(node for _, node in traced.buffers)]:
         mm.state[node] = local_outputs(node)
     if problem.micro_batches > 1:
@@ -232,20 +332,34 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
             mm.recomputable.append(v)
     layer = lambda n: (n.meta.get(LAYER_KEY) or (None, None))[1]  # noqa: E731 - its copy, unpooled
     mm.checkpoints = {v for v in fwd if any(u in fwd_set and layer(u) != layer(v) for u in _consumers(v))}
+    layered = [i for i, v in enumerate(fwd) if mm.block.get(v) is not None]
+    mm.inside = set(fwd[layered[0]:layered[-1] + 1]) if layered else set(fwd)   # no layers: all of it
 
-    needed: dict[fx.Node, None] = {}
-    for n in traced.gm.graph.nodes:
-        if n.op == "call_function" and n.meta[COST_KEY].phase == "bwd":
+    graph = traced.gm.graph
+    phase, mm.phase_names = backward_phases(graph, mm.block)
+    mm.phases = len(mm.phase_names)
+    reads: dict[fx.Node, list[int]] = {}   # forward value -> the phases of the backward ops reading it
+    for n in graph.nodes:
+        if n in phase:
             for a in tensor_inputs(n):
                 u = _producer(a)
                 if u in fwd_set:
-                    needed.setdefault(u)
-    mm.needed = list(needed)
+                    reads.setdefault(u, []).append(phase[n])
+    mm.needed = list(reads)
+    _liveness(mm, fwd, reads)
     mm.grads = [e for e in problem.edges if e.kind == "grad"]
+    for e in mm.grads:
+        made = phase.get(e.src, 0)
+        mm.made[e.dst] = tuple(1.0 if p >= made else 0.0 for p in range(mm.phases))
+        mm.at[e] = frozenset({made})
     mm.uses = [e for e in problem.edges if e.kind == "input" and e.overlap]
+    for e in mm.uses:
+        mm.at[e] = frozenset({phase.get(e.dst, FORWARD)})
+    for v in mm.work:
+        mm.at[v] = frozenset({phase.get(v, FORWARD)})
     # gradients of parameters outside the layers that backward makes after the last layer (the
     # embeddings'): their bucket is reduced when no activation is left
-    order = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
+    order = {n: i for i, n in enumerate(graph.nodes)}
     last = max((order[n] for n in order if n.op == "call_function" and _phase(n) == "bwd"
                 and problem.block.get(n) is not None), default=None)
     mm.last_bucket = {e for e in mm.grads if last is not None and problem.block.get(e.dst.param) is None
@@ -253,6 +367,30 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     mm.view_edge = {e.dst: e for e in problem.edges
                     if e.kind == "input" and not e.aligned and e.dst is not None and mm.base_of.get(e.dst) is e.src}
     return mm
+
+
+def _liveness(mm: MemoryModel, fwd: list[fx.Node], reads: dict[fx.Node, list[int]]) -> None:
+    """live, replay and start of every forward value (module docstring): the phases that read it,
+    itself or through its views, and, kept, the last phase in which a node it feeds may be
+    replayed (forward nodes in reverse: every consumer and view comes before what it reads)."""
+    seen: dict[fx.Node, list[int]] = {v: list(reads.get(v, [])) for v in fwd}   # own and views' reads
+    until: dict[fx.Node, int] = {}
+    later: dict[fx.Node, int] = {}    # the last phase a consumer's replay or a view needs it
+    recomputable = set(mm.recomputable)
+    for v in reversed(fwd):
+        until[v] = max([*seen[v], later.get(v, FORWARD)])
+        if v in mm.base_of:
+            base = mm.base_of[v]
+            seen[base] += seen[v]
+            later[base] = max(later.get(base, FORWARD), until[v])
+        if v in recomputable:
+            for u in mm.inputs_of.get(v, []):
+                later[u] = max(later.get(u, FORWARD), until[v])
+    for v in fwd:
+        mm.live[v] = _until(mm.phases, until[v])
+        if seen[v]:
+            mm.replay[v] = _between(mm.phases, min(seen[v]), max(seen[v]))
+            mm.start[v] = _until(mm.phases, max(seen[v]))
 
 
 def _consumers(node: fx.Node) -> list[fx.Node]:
@@ -362,19 +500,17 @@ def replayed_at_start(mm: MemoryModel, recompute: set) -> set[fx.Node]:
 
 
 def recomputed_live(mm: MemoryModel, choice: dict, recompute: set) -> float:
-    """Bytes of recomputed values live at once in backward: those replayed at its start, plus
-    the largest block's lazily replayed ones (module docstring)."""
-    per: dict[object, float] = {}
+    """Bytes of recomputed values live at once in backward: the largest R_p (module docstring)."""
+    per = _replays(mm, choice, recompute)
+    return max((sum(b * vec[p] for b, vec in per) for p in range(mm.phases)), default=0.0)
+
+
+def _replays(mm: MemoryModel, choice: dict, recompute: set) -> list[tuple[float, tuple]]:
+    """(bytes, the phases it is live in) of every recomputed value backward reads: from the start
+    of backward (a_v = 1) or from its first reader (module docstring)."""
     start = replayed_at_start(mm, recompute)
-    at_start = 0.0
-    for v in rematerialized(mm):
-        if v in recompute and v in mm.act:
-            if v in start:
-                at_start += mm.act[v][choice[v]]
-            else:   # one layer copy at a time
-                b = mm.block.get(v)
-                per[b] = per.get(b, 0.0) + mm.act[v][choice[v]] / mm.copies.get(v, 1)
-    return at_start + max(per.values(), default=0.0)
+    return [(mm.act[v][choice[v]], mm.start[v] if v in start else mm.replay[v])
+            for v in rematerialized(mm) if v in recompute and v in mm.act]
 
 
 def recompute_resharding(problem, cluster, choice: dict, recompute: set) -> float:
@@ -414,7 +550,7 @@ def working_copies(mm: MemoryModel, choice: dict, mesh_shape) -> float:
 
 def in_backward(mm: MemoryModel, e, q, p) -> bool:
     """Whether backward itself reduces gradient edge ``e`` moving from q to its storage placement
-    p (the module docstring's "Gradients"): a bucketable move whose pieces are alike on every rank
+    p (the module docstring's "Buckets"): a bucketable move whose pieces are alike on every rank
     (passes/bucket.py: bucketable); an uneven one is handed over and moved after backward."""
     return mm.reduce_in_backward and e.in_bucket(q, p, mm.mesh_shape)
 
@@ -433,7 +569,7 @@ def delivered(mm: MemoryModel, e, q, p) -> float:
     unreduced (not :func:`in_backward`) to move from placement q to its storage placement p: the
     gradient (local, at q) and, when that moves, its copy in the runtime's flat bucket (in the
     wire dtype) and a reduce-scatter's result (at p); an all-reduce sums in place (passes/bucket.py:
-    to_storage_many). Where q is p the gradient handed over is the parameter's, counted in state."""
+    to_storage_many). Where q is p the gradient handed over is the parameter's, counted in G."""
     if q == p or in_backward(mm, e, q, p):
         return 0.0
     held = costmodel.local_bytes(e.kept, q, mm.mesh_shape)
@@ -450,9 +586,9 @@ def _edge_placements(e, choice: dict):
 
 
 def end_of_backward(mm: MemoryModel, choice: dict) -> float:
-    """Bytes beyond the persistent state at the end of backward (no activation left): the last
-    bucket backward reduces (:func:`in_flight`), every gradient it hands over unreduced, and the
-    buckets that move them (:func:`delivered`)."""
+    """D (module docstring): bytes beyond S and G at the end of backward, when no activation is
+    left: the last bucket backward reduces (:func:`in_flight`), every gradient it hands over
+    unreduced, and the buckets that move them (:func:`delivered`)."""
     return sum(delivered(mm, e, *_edge_placements(e, choice))
                + (in_flight(mm, e, *_edge_placements(e, choice)) if e in mm.last_bucket else 0.0)
                for e in mm.grads)
@@ -476,12 +612,6 @@ def _largest(pairs) -> float:
     return max(per.values(), default=0.0)
 
 
-def largest_bucket(mm: MemoryModel, choice: dict) -> float:
-    """Bytes of the largest block's gradients in flight in backward (:func:`in_flight`)."""
-    return _largest((bucket_of(mm, e), in_flight(mm, e, *_edge_placements(e, choice)))
-                    for e in mm.grads if e not in mm.last_bucket)
-
-
 GATHERED_COPIES = 3   # a block's gathered parameters: their flat buffer, its pieces, the neighbour's
 
 
@@ -501,41 +631,95 @@ def gather_of(mm: MemoryModel, e) -> tuple[tuple, int]:
     return ((block, phase), GATHERED_COPIES) if block is not None else ((e.dst, phase), 1)
 
 
-def largest_gather(mm: MemoryModel, choice: dict) -> float:
-    """The largest bucket's gathered parameters (:func:`gathered`), times its copies."""
-    return _largest((gather_of(mm, e)[0], gather_of(mm, e)[1] * gathered(mm, e, *_edge_placements(e, choice)))
-                    for e in mm.uses)
+def transient(mm: MemoryModel, choice: dict) -> dict[int, float]:
+    """T of every moment (FORWARD, then each backward phase): the largest working set there, an
+    op's, a block's gradients in flight or a block's gathered parameters (module docstring)."""
+    ops: dict[int, float] = {}
+    buckets: dict[int, list] = {}
+    gathers: dict[int, list] = {}
+    for v, work in mm.work.items():
+        for t in mm.at.get(v, ()):
+            ops[t] = max(ops.get(t, 0.0), work[choice[v]])
+    for e in mm.grads:
+        if e not in mm.last_bucket:
+            for t in mm.at.get(e, ()):
+                buckets.setdefault(t, []).append((bucket_of(mm, e), in_flight(mm, e, *_edge_placements(e, choice))))
+    for e in mm.uses:
+        key, copies = gather_of(mm, e)
+        for t in mm.at.get(e, ()):
+            gathers.setdefault(t, []).append((key, copies * gathered(mm, e, *_edge_placements(e, choice))))
+    return {t: max(ops.get(t, 0.0), _largest(buckets.get(t, [])), _largest(gathers.get(t, [])))
+            for t in [FORWARD, *range(mm.phases)]}
 
 
-def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, float]:
-    """The peak a chosen plan needs: the bytes the runtime will actually hold, which the ILP's
-    rows bound from above (its slack variables may sit anywhere below the limit). The peak is
-    the larger of two moments: the start of backward (state, saved activations, recomputed
-    values, the largest working set: an op's, a block's gradients in flight, or a block's
-    gathered parameters) and its end (state, the last bucket, the gradients handed over
-    unreduced and their buckets). "grad_delivery" is what the end adds above the start, so the
-    parts sum to the peak."""
-    out = {
-        "state": sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape),
-        "activations": sum(saved_bytes(mm, choice, recompute).values()),
-        # replayed in backward: the recomputed values of the block whose backward runs
-        "recomputed": recomputed_live(mm, choice, recompute),
-        "transient": max(max((mm.work[v][choice[v]] for v in mm.work), default=0.0),
-                         largest_bucket(mm, choice), largest_gather(mm, choice)),
-    }
-    start = out["activations"] + out["recomputed"] + out["transient"]
-    out["grad_delivery"] = max(0.0, end_of_backward(mm, choice) - start)
+def optimizer_temporary(mm: MemoryModel, choice: dict) -> float:
+    """O (module docstring): foreach AdamW's sqrt(v) of every parameter, the for-loop version's
+    two temporaries of its largest parameter (one copy of a shared class), fused AdamW's none."""
+    local = {st: mm.param[st][choice[st]] for st in mm.param}
+    if mm.optimizer == "foreach":
+        return sum(local.values())
+    if mm.optimizer == "for-loop":
+        return 2 * max((b / mm.copies.get(st, 1) for st, b in local.items()), default=0.0)
+    return 0.0
+
+
+PARTS = ("state", "grads", "optimizer_step", "activations", "recomputed", "transient", "grad_delivery")
+
+
+class Breakdown(dict):
+    """Bytes per device of the peak moment by part (:data:`PARTS`; they sum to the peak);
+    ``moment``, its name: "forward", a backward phase's, "end of backward" or "optimizer step";
+    ``saved``, the bytes forward saves for backward (A, all live when forward ends)."""
+
+    def __init__(self, parts: dict[str, float], moment: str, saved: float = 0.0):
+        super().__init__(parts)
+        self.moment, self.saved = moment, saved
+
+
+def moments(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, dict[str, float]]:
+    """Every moment of the step (module docstring) by part: the bytes the runtime will hold,
+    which the ILP's rows bound from above (its slack variables may sit anywhere below the limit)."""
+    state = sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape)
+    grads = {st: mm.grad[st][choice[st]] for st in mm.grad}
+    full = sum(grads.values())
+    everywhere = mm.grads_live_everywhere()
+    saved = saved_bytes(mm, choice, recompute)
+    replays = _replays(mm, choice, recompute)
+    temp = transient(mm, choice)
+
+    def parts(**some: float) -> dict[str, float]:
+        return {k: state if k == "state" else some.get(k, 0.0) for k in PARTS}
+
+    out = {"forward": parts(grads=full if everywhere else 0.0, activations=sum(saved.values()),
+                            transient=temp[FORWARD])}
+    for p, name in enumerate(mm.phase_names):
+        out[name] = parts(grads=full if everywhere else sum(b * mm.made[st][p] for st, b in grads.items()),
+                          activations=sum(b * mm.live[u][p] for u, b in saved.items()),
+                          recomputed=sum(b * vec[p] for b, vec in replays), transient=temp[p])
+    out[END] = parts(grads=full, grad_delivery=end_of_backward(mm, choice))
+    out["optimizer step"] = parts(grads=full, optimizer_step=optimizer_temporary(mm, choice))
     return out
 
 
+def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> Breakdown:
+    """The peak a chosen plan needs: its largest moment (:func:`moments`; the first of equal ones),
+    by part."""
+    every = moments(mm, choice, recompute)
+    name = max(every, key=lambda k: sum(every[k].values()))
+    return Breakdown(every[name], name, every["forward"]["activations"])
+
+
 def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recompute: set) -> list[tuple[str, float]]:
-    """Predicted per-device bytes held after each node: persistent state, plus each saved
-    activation from its forward node until its last backward reader, plus each recomputed value
-    from its block's first backward reader of one (where the replay runs) until its own last
-    backward reader, plus that op's working set."""
+    """Predicted per-device bytes held after each node: S, the gradients backward has made so far
+    (all of them with K > 1), each saved activation from its forward node until its last backward
+    reader, each recomputed value from its block's first backward reader of one (where the replay
+    runs) until its own last backward reader, and that op's working set; last the optimizer step."""
     from autoshard.passes.strategies import value_of
 
     state = sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape)
+    full = sum(mm.grad[st][choice[st]] for st in mm.grad)
+    made = {e.src: mm.grad[e.dst][choice[e.dst]] for e in mm.grads if e.dst in mm.grad}
+    grads = full if mm.grads_live_everywhere() else 0.0
     saved = saved_bytes(mm, choice, recompute)
     replayed = {v for v in rematerialized(mm) if v in recompute and v in mm.act}
     size = {v: mm.act[v][choice[v]] / mm.copies.get(v, 1) for v in replayed}
@@ -565,8 +749,11 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
             continue
         live += saved.get(n, 0.0)
         live += sum(size[v] for v in starts.get(n, []))
+        if not mm.grads_live_everywhere():
+            grads += made.get(n, 0.0)
         work = mm.work.get(n, [0.0] * (choice[n] + 1))[choice[n]]
-        out.append((n.name, state + live + work))
+        out.append((n.name, state + grads + live + work))
         for u in frees.get(n, []):
             live -= size[u] if u in replayed else saved[u]
+    out.append(("optimizer step", state + full + optimizer_temporary(mm, choice)))
     return out

@@ -29,7 +29,7 @@ from ortools.math_opt.python.init_arguments import StreamableSolverInitArguments
 from autoshard import costmodel
 from autoshard.errors import CutoffError, InfeasibleError, SolverError
 from autoshard.solver.formulation import Problem, slices_to
-from autoshard.solver.memory import MemoryModel, predicted_memory
+from autoshard.solver.memory import Breakdown, MemoryModel, predicted_memory
 
 US = 1e6  # seconds -> microseconds
 MB = 2**20  # bytes -> MiB in the memory rows (keeps coefficients near the time terms' scale)
@@ -129,20 +129,21 @@ def _row_scale(coefficients, smallest: float = 1e-8) -> float:
 @dataclass
 class _MemoryRows:
     r: dict            # recompute binaries
-    peak: int          # the larger moment, in MiB: the objective of minimize="memory", a tie-break otherwise
+    peak: int          # the largest moment, in MiB: the objective of minimize="memory", a tie-break otherwise
 
 
 def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, reshard_terms: dict) -> _MemoryRows:
-    """The memory block of the ILP (docs/cost_model.md) (formulas in solver/memory.py); ``held``: the working
-    copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding cost as [(var, microseconds,
-    (source, destination placement))] (before overlap), for charging a recomputed node's input
-    moves again and a saved view's moved copy."""
-    from autoshard.solver.memory import (END, backward_start_reads, bucket_of, delivered, gather_of,
+    """The memory block of the ILP (formulas in solver/memory.py: one row per moment, each <= the
+    peak); ``held``: the working copies' [(var, bytes)]; ``reshard_terms``: each edge's resharding
+    cost as [(var, microseconds, (source, destination placement))] (before overlap), for charging
+    a recomputed node's input moves again and a saved view's moved copy."""
+    from autoshard.solver.memory import (END, FORWARD, backward_start_reads, bucket_of, delivered, gather_of,
                                          gathered, in_flight, moved_copy, rematerialized)
 
     expr = lambda table, v: [(x[v, s], table[v][s]) for s in problem.allowed[v]]  # noqa: E731
     per_mb = lambda terms, sign=1.0: [(var, sign * c / MB) for var, c in terms]  # noqa: E731
-    r = {v: (m.var(0.0, 0.0) if v in mm.checkpoints else m.var(1.0, 1.0)) if mm.recompute_all else
+    fixed = lambda v: float(v not in mm.checkpoints and v in mm.inside)  # noqa: E731 - recompute="full"
+    r = {v: m.var(fixed(v), fixed(v)) if mm.recompute_all else
          m.var(float(mm.decided[v]), float(mm.decided[v])) if v in mm.decided else m.binary()
          for v in mm.recomputable}
     keep = {v: m.binary() for v in mm.candidates}
@@ -154,10 +155,13 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
     for v in mm.recomputable:
         for u in mm.inputs_of[v]:
             m.add(avail(u) + [(r[v], -1.0)], lower=0)
+    # Bytes live in backward's phases, summed per profile (a tuple: the share live in each phase)
+    # into one variable each, so each phase's row reads a few of them: {profile: [(var, bytes)]}
+    saved: dict[tuple, list] = {}
+    recomputed: dict[tuple, list] = {}
     # saving a view holds its base (recomputing the base frees nothing); when the plan moves the
     # view's input by a collective, the view holds the moved copy (memory.py: resharded_view):
     #   c_v >= sum moved / MB - big / MB (1 - keep_v)
-    copied = []   # [(c_v, MB)]: the bytes of saved views of moved copies
     for v, u in mm.base_of.items():
         m.add([(keep[u], 1.0), (keep[v], -1.0)], lower=0)
         moved = [(var, b) for var, _, (q, p) in reshard_terms.get(mm.view_edge.get(v), [])
@@ -166,7 +170,7 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
             big = max(b for _, b in moved) / MB
             c = m.var()
             m.add([(c, 1.0), *per_mb(moved, -1.0), (keep[v], -big)], lower=-big)
-            copied.append((c, MB))
+            saved.setdefault(mm.live[v], []).append((c, MB))
 
     # The products x[v,s] * r_v and x[v,s] * keep_v in their tight (convex-hull) form:
     #   z[v,s] <= x[v,s],  sum_s z[v,s] = b_v   (b = r or keep)  =>  z = x * b for binary x, b
@@ -180,9 +184,7 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
     # recompute cost: sum_s c[v,s] x[v,s] r_v; a nanosecond per recomputed node breaks ties
     # towards saving (recomputing a free view gains nothing)
     live = set(rematerialized(mm))
-    replayed: dict[object, list] = {}   # block -> [(j or g var, +-bytes / n_v)]: its lazy replays
     a = {v: m.var(0.0, 1.0) for v in r}   # replayed at the start of backward (below)
-    start = []                              # [(g var, bytes)]
     for v, rv in r.items():
         m.cost[rv] += 1e-3
         allowed = problem.allowed[v]
@@ -193,13 +195,11 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
         j = product(v, rv)
         for s, var in j.items():
             m.cost[var] += problem.cost[v][s] * US
-        if act:
-            b = mm.block.get(v)
+        if act:   # live from backward's start (g) or from its first reader (j - g) to its last
             g = product(v, a[v])
-            start += [(g[s], mm.act[v][s]) for s in allowed]
-            replayed.setdefault(b, []).extend(
-                (var, sign * mm.act[v][s] / mm.copies.get(v, 1))
-                for s in allowed for var, sign in ((j[s], 1.0), (g[s], -1.0)))
+            recomputed.setdefault(mm.start[v], []).extend((g[s], mm.act[v][s]) for s in allowed)
+            recomputed.setdefault(mm.replay[v], []).extend(
+                (var, sign * mm.act[v][s]) for s in allowed for var, sign in ((j[s], 1.0), (g[s], -1.0)))
 
     # its inputs resharded again: w_e >= R_e - M_e (1 - r_v), w_e >= 0, charged in full (exposed)
     for e, e_terms in reshard_terms.items():
@@ -211,35 +211,12 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
         m.add([(w, 1.0), *((var, -c) for var, c, _ in e_terms), (r[e.dst], -big)], lower=-big)
 
     # saved activations: sum_s act[v,s] x[v,s] keep_v
-    saved_terms = []
     for v, kv in keep.items():
         if max((mm.act[v][s] for s in problem.allowed[v]), default=0.0) > 0:
-            saved_terms += [(var, mm.act[v][s]) for s, var in product(v, kv).items()]
+            saved.setdefault(mm.live[v], []).extend((var, mm.act[v][s]) for s, var in product(v, kv).items())
 
-    # transient working set: T >= sum_s work[v,s] x[v,s] for every op, and
-    #   T >= sum_{grad edges e of b} sum_{q,p} f[e,q,p] y[e,q,p] / n_e for every block b
-    t = m.var()
-    for v in mm.work:
-        m.add([(t, 1.0), *per_mb(expr(mm.work, v), -1.0)], lower=0)
-    #   T >= GATHERED_COPIES sum_{uses e of b, phase} sum_{q,p} gathered[e,q,p] y[e,q,p] / n_e
-    #   (outside the layers, per consumer: T >= its uses' gathered copies)
-    def grouped(edges, key, nbytes) -> dict:   # key -> [(var, bytes)] over the edges' moves
-        out: dict = {}
-        for e in edges:
-            out.setdefault(key(e), []).extend((var, b) for var, _, (q, p) in reshard_terms.get(e, [])
-                                              for b in [nbytes(e, q, p)] if b > 0)
-        return out
-
-    bucket = grouped(mm.grads, lambda e: bucket_of(mm, e), lambda e, q, p: in_flight(mm, e, q, p))
-    gathers = grouped(mm.uses, lambda e: gather_of(mm, e)[0],
-                      lambda e, q, p: gather_of(mm, e)[1] * gathered(mm, e, q, p))
-    for b, terms in [*bucket.items(), *gathers.items()]:
-        if terms and b != END:
-            m.add([(t, 1.0), *per_mb(terms, -1.0)], lower=0)
-
-    # recomputed values live in backward, replayed at its start (a_v) or lazily per block:
-    #   a_u >= r_u (u read first),  a_u >= a_v + r_u - 1 (u an input of v),  a_v <= r_v
-    #   T_rec >= sum_{v in B} sum_s act[v,s] g[v,s] + sum_{v in B_b} sum_s act[v,s] (j - g)[v,s] / n_v
+    # a replay at backward's start: a_u >= r_u (u read first), a_u >= a_v + r_u - 1 (u an input of
+    # v), a_v <= r_v
     for u in dict.fromkeys(mm.alias.get(u, u) for u in backward_start_reads(mm.recomputable, mm.block)):
         if u in r:
             m.add([(a[u], 1.0), (r[u], -1.0)], lower=0)
@@ -248,21 +225,84 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
         for u in mm.inputs_of.get(v, []):
             if u in r and u is not v:
                 m.add([(a[u], 1.0), (a[v], -1.0), (r[u], -1.0)], lower=-1)
-    t_rec = m.var()
-    for rows in replayed.values() or [[]]:
-        m.add([(t_rec, 1.0), *per_mb(start + rows, -1.0)], lower=0)
 
-    # the peak: the larger of backward's start and its end (the last bucket, gradients handed over
-    # unreduced and their buckets), a moment only where it holds more than the state
-    state_terms = [term for v in mm.state for term in expr(mm.state, v)]
-    backward_start = state_terms + held + saved_terms + copied + [(t_rec, MB), (t, MB)]
-    handed = bucket.get(END, []) + [(var, d) for e in mm.grads for var, _, (q, p) in reshard_terms.get(e, [])
-                            for d in [delivered(mm, e, q, p)] if d > 0]
-    moments = [per_mb(terms) for terms in (backward_start, state_terms + held + handed)
-               if terms is backward_start or handed]
+    # working sets, per group of moments they may occur in (an op's copies run in several phases):
+    #   T_X >= sum_s work[v,s] x[v,s], a block's gradients in flight, its gathered parameters
+    def grouped(edges, key, nbytes) -> dict:   # key -> [(var, bytes)] over the edges' moves
+        out: dict = {}
+        for e in edges:
+            out.setdefault(key(e), []).extend((var, b) for var, _, (q, p) in reshard_terms.get(e, [])
+                                              for b in [nbytes(e, q, p)] if b > 0)
+        return out
+
+    working: dict[frozenset, int] = {}   # moments -> T_X
+
+    def working_set(moments: frozenset, terms: list) -> None:
+        if moments not in working:
+            working[moments] = m.var()
+        m.add([(working[moments], 1.0), *per_mb(terms, -1.0)], lower=0)
+
+    for v in mm.work:
+        working_set(mm.at[v], expr(mm.work, v))
+    bucket = grouped(mm.grads, lambda e: (bucket_of(mm, e), mm.at[e]), lambda e, q, p: in_flight(mm, e, q, p))
+    gathers = grouped(mm.uses, lambda e: (gather_of(mm, e)[0], mm.at[e]),
+                      lambda e, q, p: gather_of(mm, e)[1] * gathered(mm, e, q, p))
+    for (b, moments), terms in [*bucket.items(), *gathers.items()]:
+        if terms and b != END:
+            working_set(moments, terms)
+
+    # one variable per profile: its bytes (in MiB) live in a phase are profile[p] times it
+    def summed(groups: dict[tuple, list]) -> list[tuple[tuple, int]]:
+        out = []
+        for profile, terms in groups.items():
+            total = m.var(-INF)   # replays' j - g terms may sum below 0 in the LP
+            m.add([(total, 1.0), *per_mb(terms, -1.0)], lower=0)
+            out.append((profile, total))
+        return out
+
+    made: dict[tuple, list] = {}
+    for st in mm.grad:
+        made.setdefault(mm.made.get(st, (1.0,) * mm.phases), []).extend(expr(mm.grad, st))
+    grads, acts, replays = summed(made), summed(saved), summed(recomputed)
+    # S: the state without gradients, and the kept working copies
+    state = m.var()
+    m.add([(state, 1.0), *per_mb([term for v in mm.state for term in expr(mm.state, v)] + held, -1.0)], lower=0)
+    everywhere = mm.grads_live_everywhere()
+    all_grads = [(var, 1.0) for _, var in grads]
     peak = m.var(0.0, mm.limit / MB)   # each moment <= peak <= limit
-    for terms in moments:
-        m.add([(peak, 1.0), *((var, -c) for var, c in terms)], lower=0)
+
+    def moment(terms, moments_at=None) -> None:
+        """peak >= S + terms (+ T_X for every group of working sets in that moment)."""
+        sets = [t for ms, t in working.items() if moments_at in ms] if moments_at is not None else []
+        for t in sets or [None]:
+            m.add([(peak, 1.0), (state, -1.0), *((var, -c) for var, c in terms),
+                   *([(t, -1.0)] if t is not None else [])], lower=0)
+
+    # forward: S + A + T_fwd (the gradients too with K > 1)
+    moment([(var, 1.0) for _, var in acts] + (all_grads if everywhere else []), FORWARD)
+    # backward phase p: S + G_p + A_p + R_p + T_p, through M_p = G_p + A_p + R_p
+    for p in range(mm.phases):
+        terms = [(var, 1.0 if everywhere else profile[p]) for profile, var in grads] + \
+            [(var, profile[p]) for profile, var in [*acts, *replays]]
+        at_p = m.var(-INF)
+        m.add([(at_p, 1.0), *((var, -c) for var, c in terms if c)], lower=0)
+        moment([(at_p, 1.0)], p)
+    # end of backward: S + G + D, a moment where backward hands anything over
+    handed = [term for (b, _), terms in bucket.items() if b == END for term in terms] + \
+        [(var, d) for e in mm.grads for var, _, (q, p) in reshard_terms.get(e, [])
+         for d in [delivered(mm, e, q, p)] if d > 0]
+    if handed:
+        moment(all_grads + per_mb(handed))
+    # optimizer step: S + G + O
+    if mm.param and mm.optimizer == "foreach":
+        moment(all_grads + per_mb([term for st in mm.param for term in expr(mm.param, st)]))
+    elif mm.param and mm.optimizer == "for-loop":   # two temporaries of its largest parameter
+        largest = m.var()
+        for st in mm.param:
+            m.add([(largest, 1.0), *per_mb(expr(mm.param, st), -2.0 / mm.copies.get(st, 1))], lower=0)
+        moment(all_grads + [(largest, 1.0)])
+    else:
+        moment(all_grads)
     return _MemoryRows(r, peak)
 
 
@@ -270,7 +310,7 @@ def _memory_rows(m: Model, problem: Problem, mm: MemoryModel, x, held: list, res
 class Solution:
     choice: dict[fx.Node, int]     # decision node -> strategy index
     recompute: set                 # forward nodes recomputed in backward
-    memory: dict                   # predicted per-device bytes: state, activations, transient
+    memory: dict                   # the peak moment's predicted per-device bytes by part (memory.Breakdown)
     objective: float               # seconds
     bound: float                   # seconds (best proven lower bound)
     status: str                    # "optimal" | "feasible"
@@ -466,7 +506,7 @@ def solve(problem: Problem, cluster, memory: MemoryModel | None = None, *, time_
     for v in problem.nodes:
         allowed = problem.allowed[v]
         choice[v] = max(allowed, key=lambda s: value(x[v, s]))
-    recompute, breakdown = set(), {}
+    recompute, breakdown = set(), Breakdown({}, "")
     if mem is not None:
         recompute = {v for v, var in mem.r.items() if value(var) > 0.5}
         breakdown = predicted_memory(memory, choice, recompute)

@@ -134,7 +134,7 @@ def saved_bytes_case(fraction) -> dict:
     ref_loss = ref(*inputs)
     ref_loss.backward()
     grad_err = max((p.grad.full_tensor() - ref.get_parameter(n).grad).abs().max().item() for n, p in dm.named_parameters())
-    return {"measured": float(sum(storages.values())), "predicted": dm.plan.memory["activations"],
+    return {"measured": float(sum(storages.values())), "predicted": dm.plan.saved_for_backward,
             "recomputed": sum(n.recompute for n in dm.plan.nodes), "peak": dm.plan.peak_memory,
             "loss_err": (loss - ref_loss).abs().item(), "grad_err": grad_err}
 

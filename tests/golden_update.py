@@ -4,6 +4,12 @@ per case what changed against its file (decisions, step time and peak before -> 
 rewrites the files that changed. A case whose solve did not prove its plan optimal is refused: its
 file is left as it was and the command exits non-zero. tests/test_golden.py re-plans every case
 and compares with the files.
+
+Each torch minor release has its own goldens (tests/golden/torch-2.13/, ...; ``make golden
+TORCH=2.15.0`` writes that release's). Releases trace some ops to other ATen decompositions and
+list DTensor's strategies in another order, so where several plans are equally fast (the same
+step time to the last bit) the solver's choice among them differs from release to release, and a
+golden pins each release's choice. A change of autoshard moves every release's goldens.
 """
 
 from __future__ import annotations
@@ -13,7 +19,15 @@ import math
 import sys
 from pathlib import Path
 
-GOLDEN = Path(__file__).parent / "golden"
+
+
+def _release() -> str:
+    import torch
+
+    return "torch-" + ".".join(torch.__version__.split(".")[:2])
+
+
+GOLDEN = Path(__file__).parent / "golden" / _release()
 CLUSTER = ("perlmutter", 1)
 TIME_LIMIT = 120  # seconds; every case plans, solve proven optimal, in under 10 s here
 # Relative tolerance on step time and peak memory, both directions. A plan is deterministic (one
@@ -106,7 +120,7 @@ def main(names: list[str]) -> int:
     unknown = sorted(set(names) - set(cases()))
     if unknown:
         sys.exit(f"golden: unknown cases {unknown}; the cases are {cases()}")
-    GOLDEN.mkdir(exist_ok=True)
+    GOLDEN.mkdir(parents=True, exist_ok=True)
     refused = []
     for name in names or cases():
         try:

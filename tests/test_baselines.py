@@ -14,7 +14,7 @@ from autoshard.cluster import H100, IB_NDR, NVLINK4
 from autoshard.errors import InfeasibleError
 from autoshard.meshes import candidates
 from autoshard.solver.formulation import Storage
-from autoshard.zoo import MLP
+from autoshard.zoo import GPT, MLP, GPTConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:autoshard.*planned replicated")
 _ITEM = re.compile(r"R|P|S\((\d+)\)")
@@ -86,19 +86,39 @@ def test_compare_names_and_free_plan_no_slower(small):
         plain, full = plans[b], plans[b + "+recompute"]
         assert not any(n.recompute for n in plain.nodes)
         assert any(n.recompute for n in full.nodes)
-        # recompute saves less than the same strategies without it (the two baselines' plans may
-        # differ in strategies, and so in what a saved value weighs)
-        picked = {n.name: n.strategy for n in full.nodes}
-        stored = {node.name: "->" + full.storage[name] for name, node in traced.params}
 
-        def pinned(node, s) -> bool:   # a Storage is named after its parameter's node
-            want = stored[node.name] if isinstance(node, Storage) else picked.get(node.name)
-            return want is None or str(s) == want
-        same = autoshard.plan(traced, cluster.with_mesh(full.mesh_shape, full.mesh_dim_names), recompute=False,
-                              allow=pinned, time_limit=60)
-        assert [n.strategy for n in same.nodes] == [n.strategy for n in full.nodes]
-        assert same.storage == full.storage
-        assert full.memory["activations"] < same.memory["activations"]
+
+@pytest.fixture(scope="module")
+def layered():
+    """A 2-layer GPT on the same node: per-layer recompute has values inside each layer to drop
+    (the MLP's repeated layers are its lone GELUs, every value of which crosses a layer's
+    boundary and stays saved)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2))
+    traced = autoshard.trace(model, model.example_inputs(4, generator=torch.Generator().manual_seed(0)))
+    return traced, _cluster(1, 4)
+
+
+@pytest.mark.parametrize("baseline", list(BASELINES))
+def test_full_recompute_saves_less_than_the_same_plan_without(layered, baseline):
+    """Recompute saves less for backward than the same strategies without it (the two baselines'
+    plans may differ in strategies, and so in what a saved value weighs): the recompute plan's
+    strategies and storage pinned, solved again without recompute."""
+    traced, cluster = layered
+    full = plan_baseline(traced, cluster, baseline + "+recompute", time_limit=60)
+    assert any(n.recompute for n in full.nodes)
+    picked = {n.name: n.strategy for n in full.nodes}
+    stored = {node.name: "->" + full.storage[name] for name, node in traced.params}
+
+    def pinned(node, s) -> bool:   # a Storage is named after its parameter's node
+        want = stored[node.name] if isinstance(node, Storage) else picked.get(node.name)
+        return want is None or str(s) == want
+    same = autoshard.plan(traced, cluster.with_mesh(full.mesh_shape, full.mesh_dim_names), recompute=False,
+                          allow=pinned, time_limit=60)
+    assert [n.strategy for n in same.nodes] == [n.strategy for n in full.nodes]
+    assert same.storage == full.storage
+    assert not any(n.recompute for n in same.nodes)
+    assert 0 < full.saved_for_backward < same.saved_for_backward
 
 
 def test_baselines_follow_their_definitions(small):

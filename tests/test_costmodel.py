@@ -78,13 +78,20 @@ def test_7b_mixed_precision_total_by_hand():
 
 
 def test_plan_state_memory_matches_the_formula():
-    # The planner's fp32 Adam accounting on one device (everything replicated) is the formula's.
+    # The planner's fp32 Adam accounting on one device (everything replicated) is the formula's, at
+    # the optimizer step, when every gradient is there: the for-loop AdamW of a CPU adds two
+    # temporaries of its largest parameter, and the batch and the rotary buffer are there too.
     torch.manual_seed(0)
     model = Llama(LlamaConfig.tiny())
     n = sum(p.numel() for p in model.parameters())
-    plan = autoshard.plan(model, Cluster.local(1), model.example_inputs(2))
-    state = plan.memory["params"] + plan.memory["grads"] + plan.memory["optimizer"]
-    assert state == training_state_bytes(n, "fp32")
+    batch = model.example_inputs(2)
+    plan = autoshard.plan(model, Cluster.local(1), batch)
+    moment, held = plan.memory_timeline[-1]
+    temporaries = 2 * 4 * max(p.numel() for p in model.parameters())
+    assert moment == "optimizer step"
+    others = sum(t.nbytes for t in batch) + sum(b.nbytes for b in model.buffers())
+    assert held - temporaries - others == training_state_bytes(n, "fp32")
+    assert plan.memory["params"] + plan.memory["optimizer"] == training_state_bytes(n, "fp32") * 12 / 16
 
 
 # --- resharding -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from autoshard.passes.annotate import META_KEY as COST_KEY, tensor_bytes
 from autoshard.passes.coarsen import repeated_layers
 from autoshard.passes.strategies import META_KEY, find_strategies
 from autoshard.solver.formulation import Storage, formulate
-from autoshard.solver.memory import memory_model, predicted_memory, recomputed_live
+from autoshard.solver.memory import memory_model, moments, predicted_memory, recomputed_live
 from autoshard.zoo import GPT, GPTConfig, MLP
 
 KiB, MiB = 2**10, 2**20
@@ -207,20 +207,33 @@ def _read_by_backward(graph) -> dict:
             for u in map(_base, n.all_input_nodes) if phase(u) == "fwd"}
 
 
+def _per_phase(mm, choice, recompute, part: str) -> list[float]:
+    """One part of every backward phase's moment, in backward's order: before the layers, each
+    layer from the last to the first, after the layers."""
+    every = moments(mm, choice, recompute)
+    return [every[name][part] for name in mm.phase_names]
+
+
 def test_recomputing_the_gelus_holds_one_layers_gelu(gpt):
     """Gelus recomputed (with the views fc2 reads them through): each comes back in its own
     layer's backward, one at a time; what they replay from, the fc outputs, backward reads anyway
-    (gelu's backward), so the saved bytes drop by the gelus' outputs."""
+    (gelu's backward), so the saved bytes drop by the gelus' outputs, and each backward phase
+    holds as many fewer gelus as it held saved: every layer's before the layers, then one layer
+    fewer per layer done."""
     cfg, mm, choice, read = gpt
     gelus = {v for v in mm.recomputable if v.target is torch.ops.aten.gelu.default}
     views = {v for v in mm.recomputable if _aliases(v) and _base(v) in gelus}
     assert len(gelus) == cfg.layers and len(views) == cfg.layers
     assert gelus <= read.keys() and {_base(a) for g in gelus for a in g.all_input_nodes} <= read.keys()
     one = BATCH * cfg.seq * 4 * cfg.hidden * 4   # batch x seq x 4h fp32
-    assert predicted_memory(mm, choice, set())["activations"] == sum(read.values())
-    predicted = predicted_memory(mm, choice, gelus | views)
-    assert predicted["activations"] == sum(read.values()) - cfg.layers * one
-    assert predicted["recomputed"] == recomputed_live(mm, choice, gelus | views) == one
+    assert predicted_memory(mm, choice, set()).saved == sum(read.values())
+    assert predicted_memory(mm, choice, gelus | views).saved == sum(read.values()) - cfg.layers * one
+    assert mm.phases == cfg.layers + 2
+    held = [cfg.layers] + [cfg.layers - k for k in range(cfg.layers)] + [0]   # saved gelus live per phase
+    kept = _per_phase(mm, choice, set(), "activations")
+    assert _per_phase(mm, choice, gelus | views, "activations") == [a - g * one for a, g in zip(kept, held)]
+    assert _per_phase(mm, choice, gelus | views, "recomputed") == [0.0] + [one] * cfg.layers + [0.0]
+    assert recomputed_live(mm, choice, gelus | views) == one
 
 
 def test_recomputing_everything_brings_the_forward_back_at_the_start(gpt):
@@ -228,11 +241,26 @@ def test_recomputing_everything_brings_the_forward_back_at_the_start(gpt):
     whole residual stream, so what backward reads comes back at once, as if saved, except the
     attention's output (random-seeded: saved, never replayed) and what only the attention reads,
     a layer's first LayerNorm and qkv projection, which come back one layer at a time, when that
-    layer's attention backward needs them."""
+    layer's attention backward needs them. Each value then dies in the phase of its last reader:
+    the head's after the first phase, a layer's after its own."""
     cfg, mm, choice, read = gpt
     seeded = {u for u in read if torch.Tag.nondeterministic_seeded in getattr(u.target, "tags", ())}
     assert len(seeded) == cfg.layers and not seeded & set(mm.recomputable)
-    tokens, h = BATCH * cfg.seq, cfg.hidden
-    lazy = tokens * h * 4 + 2 * tokens * 4 + tokens * 3 * h * 4   # LayerNorm out, mean, rstd; q, k, v
+    tokens, h, f32 = BATCH * cfg.seq, cfg.hidden, 4
+    norm = tokens * h * f32 + 2 * tokens * f32                   # LayerNorm out, mean, rstd
+    lazy = norm + tokens * 3 * h * f32                           # and q, k, v
+    loss = 2 * f32                                               # nll_loss's output and total weight
+    head = tokens * cfg.vocab * f32 + loss + norm + tokens * h * f32   # log_softmax, loss, final norm, its input
+    # the rest of a layer: fc1's output and gelu, the second norm, the layer's input and mid residual
+    layer = 2 * tokens * 4 * h * f32 + norm + 2 * tokens * h * f32
+    positions = cfg.seq * 8                                      # the position ids (int64) the embedding reads
+    attention = sum(read[u] for u in seeded)
+    assert sum(read.values()) == head + cfg.layers * (layer + lazy) + positions + attention
     at_start = sum(b for u, b in read.items() if u not in seeded) - cfg.layers * lazy
-    assert recomputed_live(mm, choice, set(mm.recomputable)) == at_start + lazy
+    assert at_start == head + cfg.layers * layer + positions
+    live = _per_phase(mm, choice, set(mm.recomputable), "recomputed")
+    assert live == ([at_start]
+                    + [(cfg.layers - k) * layer + positions + lazy for k in range(cfg.layers)]
+                    + [positions])
+    # the head's replayed values (with the loss) outweigh one layer's lazy ones: the peak is the first phase
+    assert recomputed_live(mm, choice, set(mm.recomputable)) == max(live) == at_start

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 import autoshard
 import brute_force
@@ -72,11 +73,23 @@ def test_enumeration_matches_brute_force(name, shape):
         _CHECKED[key] = name
         mine = {(s.outputs, s.inputs) for s in ns.strategies}
         want, asked, total = brute_force.strategies(node, mesh)
+        want = {s for s in want if not _writes_global_positions_into_own_rows(node, s)}
         assert want <= mine, f"{node.name} ({node.target}) misses {sorted(map(str, want - mine))[:4]}"
         if asked == total:   # exhaustive: nothing more either
             assert mine <= want, f"{node.name} ({node.target}) adds {sorted(map(str, mine - want))[:4]}"
         checked += 1
     assert checked > 0 or any(k[0] == shape for k in _CHECKED), name
+
+
+def _writes_global_positions_into_own_rows(node, strategy) -> bool:
+    """An ``index_put`` with its destination split on a dim the indices select: every rank would
+    write at global positions into its own rows, so no plan may take it. torch 2.11's rule offers
+    it where the values have the destination's rank; later releases do not."""
+    if node.target is not torch.ops.aten.index_put.default:
+        return False
+    outs, ins = strategy
+    selected = [d for d, index in enumerate(node.args[1]) if index is not None]
+    return any(p == Shard(d) for d in selected for p in (*outs[0], *ins[0]))
 
 
 def test_negative_dims_enumerate_as_their_positive_twins():
@@ -99,7 +112,10 @@ def test_negative_dims_enumerate_as_their_positive_twins():
         found.append({str(s) for s in cat.meta[META_KEY].strategies})
     assert found[0] == found[1]
     assert not any("S(2)" in s for s in found[0]), sorted(found[0])   # never the concatenated dim
-    assert "(R,S(0)),(R,S(0))->(R,S(0))" in found[0] and "(S(0),S(0)),(S(0),S(0))->(S(0),S(0))" in found[0]
+    # the real operand and the result split along dim 0 on one mesh dim and on both (how the empty
+    # operand is placed meanwhile differs between torch releases: like the other, or replicated)
+    for split in ("(R,S(0))", "(S(0),S(0))"):
+        assert any(s.endswith(f",{split}->{split}") for s in found[0]), (split, sorted(found[0]))
 
 
 # ------------------------------------------------------------------ gaps are reported

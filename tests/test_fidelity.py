@@ -105,9 +105,10 @@ def test_harness_runs_every_plan_on_two_ranks(tiny_report):
 
 @pytest.mark.world(2)
 def test_measured_state_is_what_the_plan_counts(tiny_report):
-    """Parameters, gradients, AdamW state and the input shards the ranks hold between steps,
-    counted by the tracker, equal the plan's params + working copies + grads + optimizer + buffers
-    + inputs."""
+    """Parameters, AdamW state and the input shards the ranks hold between steps, counted by the
+    tracker, equal the plan's params + working copies + optimizer + buffers + inputs: with
+    ``zero_grad(set_to_none=True)`` (torch's default, the bench's and the memory model's) no
+    gradient outlives its step (the tracker would count one left on a parameter)."""
     assert [r["plan"] for r in tiny_report["rows"]] == PLANS
     for r in tiny_report["rows"]:
         assert r["meas_state_bytes"] == pytest.approx(r["pred_state_bytes"], rel=0.01), r["plan"]

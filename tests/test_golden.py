@@ -1,5 +1,5 @@
-"""Golden plans: every zoo case re-planned and compared with tests/golden/<case>.json, written by
-``make golden``. Fails when any decision (node strategy or recompute, parameter storage, input
+"""Golden plans: every zoo case re-planned and compared with tests/golden/torch-<release>/<case>.json
+(the installed torch release's goldens), written by ``make golden``. Fails when any decision (node strategy or recompute, parameter storage, input
 placement, mesh) changed, or the predicted step time or peak memory moved by more than REL either
 way: a plan is deterministic, so any such change is a change in what autoshard plans or predicts.
 Regenerate with ``make golden`` and review its printed diff."""
@@ -15,7 +15,10 @@ from golden_update import REL, cases, changes, path, plan_case, summary
 @pytest.mark.parametrize("name", cases())
 def test_plan_matches_golden(name):
     if not path(name).is_file():
-        pytest.fail(f"no golden for {name}: run `make golden` and commit tests/golden/{name}.json")
+        import torch
+
+        pytest.fail(f"no golden for {name} on torch {torch.__version__}: run `make golden TORCH=<this version>` "
+                    f"and commit {path(name).relative_to(path(name).parents[2])}")
     want = json.loads(path(name).read_text())
     assert want["decisions"] and want["storage"] and want["inputs"], f"{name}: the golden pins no decisions"
     plan = plan_case(name)

@@ -19,7 +19,8 @@ KNOWN_CIRCLES = {frozenset({"autoshard.passes.regions", "autoshard.passes.strate
 KNOWN_LAYER_BREAKS = {("autoshard.runtime", "autoshard.passes.bucket")}
 
 ABOVE_PASSES = {"autoshard", "autoshard.api", "autoshard.runtime", "autoshard.report", "autoshard.report_html",
-                "autoshard.cli", "autoshard.baselines", "autoshard.meshes", "autoshard.checkpoint", "autoshard.launch"}
+                "autoshard.cli", "autoshard.baselines", "autoshard.meshes", "autoshard.checkpoint", "autoshard.launch",
+                "autoshard.simulate"}
 RUNTIME = {"autoshard.runtime", "autoshard.checkpoint", "autoshard.launch"}
 
 
@@ -71,3 +72,58 @@ def test_layers():
               or (m in RUNTIME and t.startswith("autoshard.passes"))}
     assert breaks == KNOWN_LAYER_BREAKS, f"layer breaks: {sorted(breaks - KNOWN_LAYER_BREAKS)}; " \
                                          f"no longer broken: {sorted(KNOWN_LAYER_BREAKS - breaks)}"
+
+
+_NO_ORTOOLS = r'''
+import sys
+
+class NoOrtools:   # as on a GPU machine without OR-Tools: any import of it fails
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ortools":
+            raise ImportError("OR-Tools is not installed here")
+
+sys.meta_path.insert(0, NoOrtools())
+import torch, torch.distributed as dist
+import autoshard
+from autoshard.zoo import GPT, GPTConfig
+
+plan_path, store = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+try:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    ids = torch.randint(0, GPTConfig.tiny().vocab, (2, GPTConfig.tiny().seq), generator=torch.Generator().manual_seed(1))
+    plan = autoshard.Plan.load(plan_path)
+    dm = autoshard.compile(model, autoshard.Cluster.local(1), (ids, ids), plan=plan)
+    loss = dm(*dm.shard_inputs(ids, ids))
+    loss.backward()
+    print("solver imported:", "autoshard.solver.solve" in sys.modules, "loss:", loss.item())
+finally:
+    dist.destroy_process_group()
+'''
+
+
+def test_a_saved_plan_runs_without_ortools(tmp_path):
+    """Running a plan made elsewhere (``compile(plan=...)``) needs no ILP solver: a process where
+    OR-Tools cannot be imported builds the module and takes a step whose loss is the model's."""
+    import subprocess
+    import sys
+
+    import torch
+
+    import autoshard
+    from autoshard.zoo import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    ids = torch.randint(0, GPTConfig.tiny().vocab, (2, GPTConfig.tiny().seq), generator=torch.Generator().manual_seed(1))
+    autoshard.plan(model, autoshard.Cluster.local(1), (ids, ids)).save(tmp_path / "plan.json")
+    want = model(ids, ids).item()
+    script = tmp_path / "run.py"
+    script.write_text(_NO_ORTOOLS)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "plan.json"), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    solver, loss = done.stdout.split("solver imported: ")[1].split(" loss: ")
+    assert solver == "False"
+    assert abs(float(loss) - want) < 1e-5, (loss, want)

@@ -176,6 +176,32 @@ def test_counts_over_a_range_from_the_data_are_not_token_local():
         assert find_regions(_dispatch(counts_out=True).gm) == {}
 
 
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_a_regions_counts_and_offsets_stay_replicated(mesh_shape, monkeypatch):
+    """Once a region splits tokens, its counts (histc) and offsets (their cumsum) are each rank's
+    own, replicated in name only: a Partial offsets tensor would hand mesh coordinate 0's offsets to
+    every rank. torch 2.15's cumsum rule offers Partial -> Partial, and the tiny bf16 Mixtral's plan
+    took it (gradients off by 7.8e-3, 21x the rounding); the same offer is made here on any torch,
+    and only the replicated strategy is kept."""
+    from autoshard.passes import strategies as st
+
+    real = st._strategies
+
+    def offering_partial(node, mesh, shape, rep):
+        found, reason = real(node, mesh, shape, rep)
+        if node.target is aten.cumsum.default:
+            p = tuple(Partial() for _ in shape)
+            found = [*found, st.Strategy((p,), (p,), 2 ** len(shape))]
+        return found, reason
+
+    monkeypatch.setattr(st, "_strategies", offering_partial)
+    traced = _dispatch()
+    find_strategies(traced.gm, _torch.planning_mesh(mesh_shape, None))
+    (cumsum,) = _calls(traced, aten.cumsum.default)
+    rep = tuple(Replicate() for _ in mesh_shape)
+    assert [(s.outputs, s.inputs) for s in cumsum.meta["autoshard.strategies"].strategies] == [((rep,), (rep,))]
+
+
 @pytest.mark.parametrize("stable", [False, True])
 def test_a_hand_written_dispatch_is_one_region(stable):
     """Not only transformers' layer: a dispatch written by hand, with a stable sort or not, is a

@@ -258,8 +258,17 @@ def test_html_derives_a_timeline_without_one(plans):
 
 
 # ---------------------------------------------------------------------------- diff
-def test_diff_lists_differing_nodes(plans):
-    _, free, pinned = plans
+@pytest.fixture(scope="module")
+def sharded(traced, plans):
+    """Every parameter and the batch pinned S(0) (FSDP with data parallelism): unlike the free
+    plan, which keeps the batch replicated here, it differs in node strategies, not just storage."""
+    cluster, _, _ = plans
+    return autoshard.plan(traced, cluster, constraints={"*": ["S(0)"], "inputs": [["S(0)"], ["S(0)"]]})
+
+
+def test_diff_lists_differing_nodes(plans, sharded):
+    _, free, _ = plans
+    pinned = sharded
     d = free.diff(pinned)
     assert isinstance(d, PlanDiff) and not d.identical and d.same_graph and d.same_cluster
     a, b = {n.name: n for n in free.nodes}, {n.name: n for n in pinned.nodes}

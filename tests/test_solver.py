@@ -180,12 +180,13 @@ def test_node_costs_by_hand():
     problem = _problem(traced, cluster)
     d = cluster.device
     for v in problem.nodes:
-        if v.op == "storage":  # a storage decision runs the optimizer on its shard: 9 kernels, 7 passes
+        if v.op == "storage":  # a storage decision runs the optimizer on its shard: foreach AdamW
+            # (the H100's, torch's default on CUDA): 20 passes, its kernels shared by every parameter
             for s, strategy in enumerate(v.meta[META_KEY].strategies):
                 shard = v.param.meta["val"].nbytes
                 for p, m in zip(strategy.outputs[0], cluster.mesh_shape):
                     shard /= m if isinstance(p, Shard) else 1
-                want = 9 * d.launch_overhead + 7 * shard / (d.memory_bandwidth * d.memory_efficiency)
+                want = 20 * shard / (d.memory_bandwidth * d.memory_efficiency)
                 assert problem.cost[v][s] == pytest.approx(want, rel=1e-12), (v.name, str(strategy))
             continue
         cost = v.meta[COST_KEY]

@@ -106,3 +106,47 @@ def test_dtensor_spec_builds_on_planning_mesh():
     spec = _torch.DTensorSpec(mesh, (Shard(0),), _torch.TensorMeta(t.shape, t.stride(), t.dtype))
     assert spec.placements == (Shard(0),)
     assert _torch.DTensorSpec(mesh, (Replicate(),), spec.tensor_meta).placements == (Replicate(),)
+
+
+@pytest.mark.parametrize("version", ["2.11.0", "2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"])
+def test_supported_versions_pass(version):
+    _torch.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.10.2", "2.16.0", "2.16.0a0+git1234567", "3.0.0", "1.13.1", "nightly"])
+def test_unsupported_version_names_the_range(version, monkeypatch):
+    from autoshard.errors import UnsupportedTorchError
+
+    monkeypatch.delenv(_torch.ANY_TORCH, raising=False)
+    with pytest.raises(UnsupportedTorchError, match=r"supports torch 2\.11 to 2\.15, but torch .* is installed"):
+        _torch.check_version(version)
+    monkeypatch.setenv(_torch.ANY_TORCH, "1")
+    with pytest.warns(UserWarning, match="going on because"):
+        _torch.check_version(version)
+
+
+def test_import_on_unsupported_torch_fails_at_import():
+    """A fresh interpreter whose torch claims 2.10: ``import autoshard`` fails with the typed error
+    naming the range, before any private name is looked up (no AttributeError from a pass)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != _torch.ANY_TORCH}
+    code = "import torch; torch.__version__ = '2.10.0'; import autoshard"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("autoshard.errors.UnsupportedTorchError: autoshard supports torch 2.11 to 2.15"), last
+
+
+def test_pyproject_asks_for_the_supported_range():
+    """The install requirement and the import check name the same releases."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    (spec,) = [d for d in project["dependencies"] if re.match(r"torch\b", d)]
+    (lo_major, lo), (hi_major, hi) = _torch.SUPPORTED
+    assert spec.replace(" ", "") == f"torch>={lo_major}.{lo},<{hi_major}.{hi + 1}", spec

@@ -230,3 +230,31 @@ def test_input_meta_records_shapes_and_dtypes():
     traced = autoshard.trace(model, (torch.randn(8, 32), torch.randn(8, 16, dtype=torch.float32)))
     assert traced.input_meta == [((8, 32), torch.float32), ((8, 16), torch.float32)]
     assert [tuple(n.meta["val"].shape) for n in traced.inputs] == [(8, 32), (8, 16)]
+
+
+def test_trace_device_follows_the_model_and_meta_means_cpu():
+    from autoshard.passes.trace import trace_device
+
+    x = torch.zeros(2, 4)
+    assert trace_device(nn.Linear(4, 4), (x,)) == torch.device("cpu")
+    with torch.device("meta"):
+        on_meta = nn.Linear(4, 4)
+    assert trace_device(on_meta, (torch.zeros(2, 4, device="meta"),)) == torch.device("cpu")
+    assert trace_device(on_meta, (x,), device="cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no GPU")
+def test_tracing_for_cuda_without_a_gpu_is_a_typed_error():
+    import autoshard
+
+    with pytest.raises(TraceError, match="tracing for a CUDA device needs a GPU"):
+        autoshard.trace(nn.Linear(4, 4), (torch.zeros(2, 4),), device="cuda")
+
+
+def test_traced_program_records_its_device():
+    import autoshard
+
+    traced = autoshard.trace(nn.Linear(4, 4), (torch.zeros(2, 4),))
+    assert traced.device == torch.device("cpu")
+    assert all(n.meta["val"].device.type == "cpu" for n in traced.gm.graph.nodes
+               if isinstance(n.meta.get("val"), torch.Tensor))

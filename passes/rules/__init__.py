@@ -4,7 +4,8 @@ Each module holds one family of ops and registers its rules with DTensor's regis
 so planning (passes/strategies.py) and execution (DTensor at run time) see the same rules.
 """
 
-from autoshard.passes.rules import attention, conv, grouped_mm, pointwise  # noqa: F401
+from autoshard.passes.rules import (  # noqa: F401
+    attention, conv, grouped_mm, index, layer_norm, norm_pool, pad, pointwise, scatter)
 
 # op -> its arguments made local, given its local tensors: ops the rewriter runs on local shards
 # itself rather than through DTensor's dispatch (passes/rewrite.py)
