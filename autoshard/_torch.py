@@ -43,6 +43,10 @@ def check_version(version: str) -> None:
 
 
 check_version(torch.__version__)
+# The installed release as (major, minor), for the few differences no feature test can see (an
+# unreadable version, imported under AUTOSHARD_ANY_TORCH, counts as the newest supported).
+_found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+RELEASE = (int(_found[1]), int(_found[2])) if _found else SUPPORTED[1]
 
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # noqa: F401
 from torch._functorch._aot_autograd.descriptors import (  # noqa: F401

@@ -6,12 +6,10 @@ routing weights a mixture-of-experts layer scatters into its [tokens, experts] t
 Mixtral) are gathered on every rank. torch 2.13's rule, below, also splits a dim other than
 ``dim`` on which every operand has the same size: each rank then scatters its own rows, writing
 only where its own rows are. Both releases register their rule as one asked per input placement,
-so the registry cannot tell them apart: the release is checked.
+so the registry cannot tell them apart: the release is checked (`_torch.RELEASE`).
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 
@@ -21,7 +19,7 @@ aten = torch.ops.aten
 S = _torch.ShardingPlaceholder
 
 # torch 2.13 gave scatter a rule that shards; before it, the rule replicates everything
-REPLICATES_ONLY = tuple(map(int, re.match(r"(\d+)\.(\d+)", torch.__version__).groups())) < (2, 13)
+REPLICATES_ONLY = _torch.RELEASE < (2, 13)
 
 
 def _scatter(op, args_schema, kwargs_schema):
