@@ -156,7 +156,7 @@ def test_equally_fast_plans_tie_break_towards_less_memory(monkeypatch, name):
 
     # solved to a zero relative gap: the tie-break (under a nanosecond here) is far inside the
     # default 0.1% gap, where the solve may stop at any equally fast plan. (It is also under HiGHS's
-    # absolute gap, so on torch 2.11 and 2.15 GPT-2's case still lands on the heavier plan.)
+    # default absolute gap, it seems: on torch 2.11 and 2.15 GPT-2's case lands on the heavier plan.)
     monkeypatch.setattr(solve_mod, "solve", functools.partial(solve_mod.solve, mip_gap=0.0))
     lightest = plan_case(name)
     monkeypatch.setattr(solve_mod, "PEAK_TIE_BREAK", 0.0)
