@@ -20,7 +20,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: .venv venv demo test bench golden clean distclean
+.PHONY: .venv venv demo test test-fast bench golden clean distclean
 
 .venv venv: $(STAMP)
 
@@ -40,6 +40,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra $(or $(PYTEST_ARGS),tests)
+
+# The quick lane while editing: in-process tests of tracing, strategies, rules, the cost and
+# memory models and small plans (about 100 s here, none that launches ranks). `make test` runs all.
+FAST_TESTS := annotate cluster costmodel errors memory normalize notation planning progress rules sanity \
+              strategies torch_adapter trace
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not world" $(FAST_TESTS:%=tests/test_%.py)
 
 bench: $(STAMP)
 	mkdir -p bench/out

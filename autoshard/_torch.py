@@ -82,7 +82,7 @@ __all__ = [
     "aot_export_joint_with_descriptors", "default_partition", "FakeTensorMode", "DTensorSpec",
     "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "TupleStrategy", "RuntimeSchemaInfo",
     "ShardingPlaceholder", "StridedShard", "register_single_dim_strategy", "expand_single_dim_strategy",
-    "sharding_propagator", "has_sharding_rule",
+    "sharding_propagator", "has_sharding_rule", "single_dim_rule", "op_strategy_rule",
     "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
     "tree_leaves", "tree_map", "tree_map_only", "default_group_options", "is_all_gather",
     "all_gather_key", "merge_all_gathers", "unpriced_strategies",
@@ -96,8 +96,20 @@ def sharding_propagator():
 
 def has_sharding_rule(op) -> bool:
     """Whether DTensor's registry holds a sharding rule (of either kind) for an op overload."""
+    return single_dim_rule(op) is not None or op_strategy_rule(op) is not None
+
+
+def single_dim_rule(op):
+    """DTensor's single-dim rule for an op overload (its ``.func(op, args, kwargs)`` lists the
+    placement tuples on one mesh dim), or None."""
+    return sharding_propagator().op_single_dim_strategy_funcs.get(op)
+
+
+def op_strategy_rule(op):
+    """DTensor's op-strategy function for an op overload and its schema info, or None."""
     prop = sharding_propagator()
-    return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs
+    func = prop.op_strategy_funcs.get(op)
+    return None if func is None else (func, prop.op_to_schema_info.get(op))
 
 
 @contextlib.contextmanager
@@ -258,7 +270,7 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
-# --- simulated ranks (autoshard/simulate.py): torch.distributed._local_tensor --------------------
+# --- simulated ranks (autoshard/runtime/simulate.py): torch.distributed._local_tensor --------------------
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 
 __all__ += ["simulated_ranks", "local_tensor", "rank_values", "local_int", "on_each_rank", "data_address",

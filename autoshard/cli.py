@@ -19,6 +19,7 @@ import importlib
 import inspect
 import os
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -31,10 +32,15 @@ _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 def parse_bytes(text: str) -> float:
     """"40GB" -> 4e10, "80GiB" -> 80 * 2**30, "1.5e10B" -> 1.5e10 bytes. The unit is required: a
     bare "40" (meant as GB, read as bytes) would plan for a cap no model fits."""
+    from autoshard.errors import ConstraintError
+
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if m and not m.group(2) and float(m.group(1)) > 0:
+        raise ConstraintError(f"--memory-limit {text!r} has no unit; add one, as in {m.group(1)}GB or "
+                              f"{m.group(1)}GiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"--memory-limit {text!r}: give a positive size with its unit, such as 40GB, 80GiB or "
-                         f"1.5e10B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        raise ConstraintError(f"--memory-limit {text!r}: give a positive size with its unit, such as 40GB, 80GiB or "
+                              f"1.5e10B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
@@ -61,15 +67,18 @@ def _tokens(batch: int, seq: int):
     return idx, torch.empty(batch, seq, dtype=torch.long, device="meta")
 
 
-def _decoder(model_cls, config, default_batch: int):
+def _decoder(model_cls: str, config: str, default_batch: int):
     def build(batch, seq):
         import dataclasses
 
         import torch
 
-        c = config() if seq is None else dataclasses.replace(config(), seq=seq)
+        from autoshard import zoo
+
+        c = getattr(getattr(zoo, f"{model_cls}Config"), config)()
+        c = c if seq is None else dataclasses.replace(c, seq=seq)
         with torch.device("meta"):
-            model = model_cls(c)
+            model = getattr(zoo, model_cls)(c)
         return model, _tokens(batch or default_batch, c.seq)
     return build
 
@@ -88,23 +97,21 @@ def _mlp(batch, seq):
     return model, tuple(torch.empty(b, d, device="meta") for d in dims)
 
 
+# A table, not a scan of autoshard.zoo: `autoshard plan --help` lists these names without importing torch.
+_ZOO = {
+    "gpt-tiny": ("GPT, 2 layers, hidden 64 (tests)", ("GPT", "tiny", 2)),
+    "gpt2": ("GPT-2 small, 124M, seq 1024", ("GPT", "gpt2_small", 8)),
+    "mlp": ("3-layer MLP 32-64-64-16 (tests)", None),
+    "llama-tiny": ("Llama, 2 layers, hidden 64 (tests)", ("Llama", "tiny", 2)),
+    "llama2-7b": ("Llama 2 7B, seq 4096", ("Llama", "llama2_7b", 8)),
+    "llama3-8b": ("Llama 3 8B, GQA, seq 8192", ("Llama", "llama3_8b", 8)),
+    "llama3-70b": ("Llama 3 70B, GQA, seq 8192", ("Llama", "llama3_70b", 8)),
+}
+
+
 def zoo_models() -> dict:
     """name -> (description, build(batch, seq) -> (model, example_inputs))."""
-    from autoshard import zoo
-
-    models = {
-        "gpt-tiny": ("GPT, 2 layers, hidden 64 (tests)", _decoder(zoo.GPT, zoo.GPTConfig.tiny, 2)),
-        "gpt2": ("GPT-2 small, 124M, seq 1024", _decoder(zoo.GPT, zoo.GPTConfig.gpt2_small, 8)),
-        "mlp": ("3-layer MLP 32-64-64-16 (tests)", _mlp),
-    }
-    if hasattr(zoo, "LlamaConfig") and hasattr(zoo, "Llama"):
-        for name, ctor, text, batch in (("llama-tiny", "tiny", "Llama, 2 layers, hidden 64 (tests)", 2),
-                                        ("llama2-7b", "llama2_7b", "Llama 2 7B, seq 4096", 8),
-                                        ("llama3-8b", "llama3_8b", "Llama 3 8B, GQA, seq 8192", 8),
-                                        ("llama3-70b", "llama3_70b", "Llama 3 70B, GQA, seq 8192", 8)):
-            if hasattr(zoo.LlamaConfig, ctor):
-                models[name] = (text, _decoder(zoo.Llama, getattr(zoo.LlamaConfig, ctor), batch))
-    return models
+    return {name: (text, _mlp if how is None else _decoder(*how)) for name, (text, how) in _ZOO.items()}
 
 
 def build_model(spec: str, batch: int | None, seq: int | None):
@@ -188,26 +195,44 @@ def cmd_plan(args) -> int:
         plan.memory_limit = limit
     _write(plan, args.out)
     if not args.quiet:
-        print(plan.summary(max_rows=args.max_rows))
+        print(_summary(plan, args))
     return 0
 
 
+def width() -> int:
+    """The terminal's width (COLUMNS first, as a shell exports it); 160 when the output is a file or a pipe,
+    which nothing wraps."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return max(40, int(columns))
+    if sys.stdout.isatty():
+        return max(40, shutil.get_terminal_size().columns)
+    return 160
+
+
+def _summary(plan, args) -> str:
+    from autoshard import report
+
+    return report.summary_text(plan, max_rows=None if args.all else args.max_rows, width=width(),
+                               hints=report.CLI_HINTS)
+
+
 def cmd_show(args) -> int:
-    from autoshard.plan import Plan
+    from autoshard.planning.plan import Plan
 
     _check_outs(args.out)
     plan = Plan.load(args.plan)
     _write(plan, args.out)
-    print(plan.summary(max_rows=args.max_rows, expand=args.all))
+    print(_summary(plan, args))
     return 0
 
 
 def cmd_diff(args) -> int:
     from autoshard import report
-    from autoshard.plan import Plan
+    from autoshard.planning.plan import Plan
 
     a, b = Plan.load(args.a), Plan.load(args.b)
-    print(report.diff_text(a.diff(b), max_rows=args.max_rows))
+    print(report.diff_text(a.diff(b), max_rows=args.max_rows, width=width(), hints=report.CLI_HINTS))
     return 0
 
 
@@ -215,19 +240,19 @@ def cmd_clusters(args) -> int:
     from rich.table import Table
 
     from autoshard.cluster import PRESETS
-    from autoshard.report import _console
+    from autoshard.report.text import _console, export
 
     t = Table(title="cluster presets (--cluster PRESET[:NODES]; mesh (node, gpu)); also local:N", title_justify="left")
     for col in ("preset", "device", "memory", "gpus/node", "link in node (gpu)", "link between nodes (node)",
                 "description"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col in ("preset", "device"))   # names to type whole; the description wraps
     for name, p in PRESETS.items():
         link = lambda l: f"{l.name}, {l.bandwidth / 1e9:g} GB/s, {l.latency * 1e6:g} us"  # noqa: E731
         t.add_row(name, p.device.name, f"{p.device.memory / 1e9:.3g} GB", str(p.gpus_per_node), link(p.intra),
                   link(p.inter), p.description)
-    console = _console(200)
+    console = _console(width())
     console.print(t)
-    print(console.export_text(), end="")
+    print(export(console), end="")
     return 0
 
 
@@ -250,20 +275,24 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--time-limit", type=float, default=120.0, metavar="S", help="solver time limit (default 120)")
     pl.add_argument("--out", action="append", default=[], metavar="FILE",
                     help="write the plan to FILE.json, FILE.html (report) or FILE.dot (Graphviz); repeatable")
-    pl.add_argument("--max-rows", type=int, default=40, metavar="N", help="node rows in the summary (default 40)")
+    pl.add_argument("--max-rows", type=int, default=40, metavar="N", help="rows of each table in the summary; alike "
+                    "layers fold into one group (default 40)")
+    pl.add_argument("--all", action="store_true", help="every node of every layer and every parameter row")
     pl.add_argument("-q", "--quiet", action="store_true", help="do not print the summary")
     pl.set_defaults(run=cmd_plan)
 
     sh = sub.add_parser("show", help="print a saved plan's summary", description="Print the summary of a plan "
                         "saved as JSON; --out converts it to HTML or DOT.")
     sh.add_argument("plan", metavar="PLAN.json")
-    sh.add_argument("--max-rows", type=int, default=40, metavar="N", help="node rows (default 40)")
-    sh.add_argument("--all", action="store_true", help="every node, not only the costliest")
+    sh.add_argument("--max-rows", type=int, default=40, metavar="N", help="rows of each table; alike layers fold "
+                    "into one group (default 40)")
+    sh.add_argument("--all", action="store_true", help="every node of every layer and every parameter row")
     sh.add_argument("--out", action="append", default=[], metavar="FILE", help="also write FILE.json/.html/.dot")
     sh.set_defaults(run=cmd_show)
 
-    df = sub.add_parser("diff", help="compare two saved plans", description="Nodes whose strategy or recompute "
-                        "mark differ, parameters stored differently, and the change in predicted time and memory.")
+    df = sub.add_parser("diff", help="compare two saved plans", description="The change in predicted time and "
+                        "memory, then the nodes whose strategy or recompute mark differ, largest change to the step "
+                        "time first (alike layers folded), and the parameters stored differently.")
     df.add_argument("a", metavar="A.json")
     df.add_argument("b", metavar="B.json")
     df.add_argument("--max-rows", type=int, default=100, metavar="N", help="node rows (default 100)")
@@ -276,15 +305,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _zoo_names() -> list[str]:
-    try:
-        return list(zoo_models())
-    except Exception:  # --help must work even if the zoo cannot be imported  # noqa: BLE001
-        return ["gpt-tiny", "gpt2", "mlp"]
+    return list(_ZOO)
 
 
 # The library's hints name its Python arguments; on the command line they are flags.
 _FLAGS = {r"\bmemory_limit\b": "--memory-limit", r"\btime_limit\b": "--time-limit",
-          r"\ballow recompute\b": "drop --no-recompute"}
+          r"\ballow recompute\b": "drop --no-recompute",
+          r"\buse more devices\b": "use more nodes (--cluster PRESET:NODES)",
+          r"\bshrink the batch\b": "shrink the batch (--batch)"}
 
 
 def _as_flags(text: str) -> str:

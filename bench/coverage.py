@@ -1,4 +1,4 @@
-"""Strategy coverage on a corpus of real architectures (autoshard/corpus.py) and the zoo's tiny
+"""Strategy coverage on a corpus of real architectures (autoshard/zoo/corpus.py) and the zoo's tiny
 models: each traced once, then planned on one DGX H100 node as a (8,) and a (2, 4) mesh. Prints
 per model the graph's nodes, the coverage gaps and ops with no rule (passes/coverage.py) on each
 mesh, and the seconds to trace and to plan; writes bench/out/coverage.json.
@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 import autoshard
-from autoshard import _torch, corpus, zoo
+from autoshard import _torch, zoo
+from autoshard.zoo import corpus
 from autoshard.cluster import Cluster
 from autoshard.errors import SolverError
 from autoshard.passes.coverage import coverage_gaps

@@ -49,8 +49,8 @@ from torch.utils._pytree import tree_leaves
 
 import autoshard
 from autoshard.errors import InfeasibleError
-from autoshard.launch import run_local
-from autoshard.memtrack import PeakMemory
+from autoshard.runtime.launch import run_local
+from autoshard.runtime.memtrack import PeakMemory
 from autoshard.zoo import GPT, GPTConfig
 
 OUT = Path(__file__).parent / "out"
@@ -184,7 +184,7 @@ def build_plans(size: str, cluster) -> dict[str, autoshard.Plan]:
     """The eight plans. DDP, FSDP and Megatron are autoshard.baselines' hand strategies (parameter
     storage and use pinned per role, activations left to the solver) on the same ILP. The tight
     plan's cap is the first of TIGHT_CAPS times the free plan's peak that the solver can meet."""
-    from autoshard.baselines import plan_baseline
+    from autoshard.planning.baselines import plan_baseline
 
     model, inputs = _model(size)
     traced = autoshard.trace(model, inputs)

@@ -76,8 +76,8 @@ from torch.utils.checkpoint import checkpoint
 
 import autoshard
 from autoshard.cluster import PRESETS
-from autoshard.launch import free_port
-from autoshard.memtrack import PeakMemory
+from autoshard.runtime.launch import free_port
+from autoshard.runtime.memtrack import PeakMemory
 from autoshard.zoo import GPT, GPTConfig, Llama, LlamaConfig
 
 OUT = Path(__file__).parent / "out"
@@ -162,8 +162,8 @@ def plan_case(case: Case, cluster: autoshard.Cluster, dtype: torch.dtype,
 def plan_simulated(device: torch.device) -> dict[str, autoshard.Plan]:
     """The tiny GPT's multi-rank plans: autoshard.baselines' FSDP and Megatron on 2 ranks, and the
     Megatron roles (data parallel x tensor parallel) on a 2 x 2 mesh."""
-    from autoshard.baselines import plan_baseline
-    from autoshard.roles import allow_for
+    from autoshard.planning.baselines import plan_baseline
+    from autoshard.planning.roles import allow_for
 
     traced = autoshard.trace(SIM_CASE.build("meta", torch.float32), SIM_CASE.meta_inputs(), device=device)
     two = autoshard.Cluster.local(2)
@@ -336,9 +336,9 @@ def simulate(plans: dict[str, autoshard.Plan], device, steps: int, lr: float) ->
     """Each multi-rank plan of the tiny GPT on simulated ranks (``autoshard.simulate.run_ranks``)
     against the same AdamW steps on one device (``simulate.single_device``), on ``device``;
     {"status": ...} alone while that module is absent."""
-    if importlib.util.find_spec("autoshard.simulate") is None:
+    if importlib.util.find_spec("autoshard.runtime.simulate") is None:
         return {"status": "autoshard.simulate is not installed: nothing simulated"}
-    from autoshard import simulate as sim
+    from autoshard.runtime import simulate as sim
 
     model, batches = SIM_CASE.build("cpu", torch.float32), SIM_CASE.batches(steps, "cpu")
     reference, error = _attempt("simulate: one device", lambda: sim.single_device(

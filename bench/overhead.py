@@ -11,7 +11,7 @@ Pairs (each pair timed in one launch, samples interleaved round-robin, median of
   replicated) vs ``parallelize_module`` with ColwiseParallel on qkv (DTensor output, so the
   model's split/view/attention run on DTensors) and fc, RowwiseParallel on proj and out; 2 ranks.
 * eager: autoshard's all-replicated plan on one rank vs the plain model; 1 rank. On one device
-  the module's parameters are plain tensors (autoshard/runtime.py says why), so the optimizer
+  the module's parameters are plain tensors (autoshard/runtime/module.py says why), so the optimizer
   steps the same tensors on both sides.
 
 A step is forward + backward + AdamW (foreach=False on both sides) + zero_grad; ``fb`` is the
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.baselines import plan_baseline
-from autoshard.launch import run_local
+from autoshard.planning.baselines import plan_baseline
+from autoshard.runtime.launch import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fidelity import OUT, _model  # noqa: E402

@@ -1,6 +1,6 @@
 """Plan quality: the free plan against the best hand-written baseline, on the same solver and cost
 model (autoshard.baselines). For each zoo model (real sizes, on meta) and cluster: the predicted
-step time of the free plan (every logical mesh of autoshard.meshes, 3-D ones included) and of the
+step time of the free plan (every logical mesh of autoshard.planning.meshes, 3-D ones included) and of the
 fastest feasible baseline, their ratio (free / best baseline: <= 1 means the free plan is no
 slower), peak memory and MFU of both, and the geometric-mean speed-up (best baseline / free) over
 the memory-tight cases. Writes bench/out/plan_quality.json and prints a table.
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import autoshard
 from autoshard import zoo
-from autoshard.baselines import BASELINES, RECOMPUTE, best_baseline, compare, plan_baseline
+from autoshard.planning.baselines import BASELINES, RECOMPUTE, best_baseline, compare, plan_baseline
 from autoshard.errors import InfeasibleError, SolverError
-from autoshard.plan import Plan
+from autoshard.planning.plan import Plan
 
 CLUSTERS = {
     "h100x8": lambda: autoshard.Cluster.preset("dgx-h100", nodes=1),

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 import autoshard
-from autoshard import corpus
-from autoshard.baselines import plan_baseline
+from autoshard.zoo import corpus
+from autoshard.planning.baselines import plan_baseline
 from autoshard.cluster import Cluster
 
 SEQ, PER_GPU, NODES = 2048, 2, 8

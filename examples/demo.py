@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 import autoshard
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
 from autoshard.zoo import GPT, GPTConfig
 
 SEED = 0

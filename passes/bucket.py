@@ -21,7 +21,7 @@ Replicate on one mesh dim (all-gather). Anything else goes alone, through DTenso
 
 Example (inside a process group; ``bw`` the backward graph of a 2-layer GPT's DDP plan,
 ``moves`` its gradients [(output index, placements, parameter, block, dtype)] in the order
-backward makes them, as autoshard/api.py lists them)::
+backward makes them, as autoshard/build.py lists them)::
 
     >>> buckets = gradient_buckets(moves, None)
     >>> [b.kind for b in buckets]    # the final norm's, each layer's, the embeddings'
@@ -39,7 +39,8 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autoshard import _torch, costmodel
+from autoshard import _torch
+from autoshard.cluster import costmodel
 from autoshard.passes.rewrite import ORIGIN, to_storage
 
 GRAD_BUCKET_BYTES = 64 * 2**20   # a flat buffer's cap: bounds the transient copy of the gradients

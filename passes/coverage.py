@@ -5,9 +5,11 @@ some tensor input that its producer can hand over sharded, every one of its stra
 input whole (Replicate on every mesh dim). Planning such a graph is still correct, but the input
 is gathered on every rank: with no rule for the op, a rule that narrows, or uneven shapes, a
 plan can silently turn several times slower. "Sharded" means split (Shard), not a Partial sum, which
-most ops must reduce first anyway. Not gaps, because replicating is the answer: reductions to a
-scalar (a loss); scalar and integer inputs (indices and positions are read against the whole of
-what they index); a norm's weight and bias (``INHERENT``: they span the normalized dims).
+most ops must reduce first anyway. Not gaps, because replicating is the answer: scalar and integer
+inputs (indices and positions are read against the whole of what they index); a norm's weight and
+bias (``INHERENT``: they span the normalized dims). A reduction to a scalar, a loss among them, is
+no exception: it reduces each rank's rows to a Partial sum (torch 2.14 and 2.15 gather the whole
+batch for a mean cross-entropy, which :mod:`autoshard.passes.normalize` rewrites as a sum).
 
 Each gap names the op, the input, why, and the model line that made the node (the node's
 ``meta["stack_trace"]``, which :mod:`autoshard.passes.trace` records for forward and backward
@@ -70,13 +72,6 @@ def _sharded(p) -> bool:
     return p is not None and any(isinstance(x, Shard) for x in p)
 
 
-def _scalar(node: fx.Node) -> bool:
-    vals = node.meta.get("val")
-    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
-    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
-    return bool(tensors) and all(math.prod(v.shape) <= 1 for v in tensors)
-
-
 # Inputs no local strategy can take sharded, by op and schema argument: a norm's weight and bias
 # span the dims it normalizes over, and sharding those needs every rank's statistics (the
 # normalized input shards on its other dims instead, as sequence parallelism does).
@@ -123,7 +118,7 @@ def coverage_gaps(gm: fx.GraphModule) -> list[Gap]:
     for node in gm.graph.nodes:
         ns = node.meta.get(STRATEGIES)
         node.meta.pop(META_KEY, None)
-        if node.op != "call_function" or ns is None or ns.alias_of is not None or ns.fallback or _scalar(node):
+        if node.op != "call_function" or ns is None or ns.alias_of is not None or ns.fallback:
             continue
         found = []
         inputs = tensor_inputs(node)

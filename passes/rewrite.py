@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autoshard import _torch, costmodel
+from autoshard import _torch
+from autoshard.cluster import costmodel
 from autoshard.passes.annotate import feeds_only_grads, phases
 from autoshard.passes.regions import runs_locally
 from autoshard.passes import rules
@@ -85,7 +86,7 @@ def _to_placements(dt: DTensor, placements, reduce_dtype: torch.dtype | None = N
     if tuple(dt.placements) != staged:
         dt = dt.redistribute(mesh, staged)
     # a product with 1 there and 0 elsewhere, not zeros on some ranks only: every rank runs the
-    # same ops, its rank in integer arguments alone (what simulated ranks run: autoshard/simulate.py)
+    # same ops, its rank in integer arguments alone (what simulated ranks run: autoshard/runtime/simulate.py)
     local = dt.to_local() * int(all(mesh.get_local_rank(d) == 0 for d in to_partial))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=dt.shape, stride=dt.stride())
 

@@ -327,15 +327,15 @@ def _from_op_strategy(node, func, mesh, schema_info, options) -> list:
 def placements_through(node: fx.Node, mesh, inputs: list) -> tuple | None:
     """The output placements DTensor's rule gives ``node`` on a 1-D ``mesh`` when its tensor
     inputs arrive in ``inputs`` (one placement each), or None where no rule takes them."""
-    prop = _torch.sharding_propagator()
+    single, propagating = _torch.single_dim_rule(node.target), _torch.op_strategy_rule(node.target)
     want = tuple((p,) for p in inputs)
     try:
-        if node.target in prop.op_single_dim_strategy_funcs:
-            found = _from_single_dim(node, prop.op_single_dim_strategy_funcs[node.target], mesh)
-        elif node.target in prop.op_strategy_funcs:
+        if single is not None:
+            found = _from_single_dim(node, single, mesh)
+        elif propagating is not None:
             fixed = dict(zip(tensor_inputs(node), want))
-            found = _from_op_strategy(node, prop.op_strategy_funcs[node.target], mesh,
-                                      prop.op_to_schema_info.get(node.target), lambda a: [fixed[a]])
+            func, schema_info = propagating
+            found = _from_op_strategy(node, func, mesh, schema_info, lambda a: [fixed[a]])
         else:
             return None
     except Exception:  # noqa: BLE001 - a rule that rejects these placements
@@ -347,16 +347,16 @@ def placements_through(node: fx.Node, mesh, inputs: list) -> tuple | None:
 
 
 def _enumerate(node: fx.Node, mesh) -> tuple[list, str | None]:
-    prop = _torch.sharding_propagator()
     op = node.target
     if not tensor_inputs(node):
         return [(tuple(tuple([Replicate()] * mesh.ndim) for _ in _tensor_vals(node.meta["val"])), ())], None
+    single, propagating = _torch.single_dim_rule(op), _torch.op_strategy_rule(op)
     try:
-        if op in prop.op_single_dim_strategy_funcs:
-            return _from_single_dim(node, prop.op_single_dim_strategy_funcs[op], mesh), None
-        if op in prop.op_strategy_funcs:
-            return _from_op_strategy_all(node, prop.op_strategy_funcs[op], mesh, prop.op_to_schema_info.get(op),
-                                         tuple(mesh.shape)), None
+        if single is not None:
+            return _from_single_dim(node, single, mesh), None
+        if propagating is not None:
+            func, schema_info = propagating
+            return _from_op_strategy_all(node, func, mesh, schema_info, tuple(mesh.shape)), None
         reason = f"{op} has no sharding rule"
     except Exception as exc:  # noqa: BLE001 - a rule that fails on these shapes is reported, not hidden
         reason = f"{op}'s sharding rule failed on these shapes: {type(exc).__name__}: {exc}"

@@ -28,6 +28,7 @@ from torch import nn
 
 from autoshard import _torch
 from autoshard.errors import TraceError
+from autoshard.passes.normalize import sum_then_divide_mean_losses
 
 
 @dataclass
@@ -144,7 +145,7 @@ def _user_frame(exc: BaseException) -> str:
 _TRANSFORMERS_HINTS = (
     ("masking_utils", "transformers' attention-mask helpers inspect mask or position values; build the "
                       "model with attn_implementation=\"autoshard_sdpa\" (registered by importing "
-                      "autoshard.zoo_hf), which builds no mask and runs causal or bidirectional SDPA, "
+                      "autoshard.zoo.hf), which builds no mask and runs causal or bidirectional SDPA, "
                       "and pass no attention_mask"),
     ("expert", "the Mixture-of-Experts layer loops over the experts the data selects; build it with "
                 "experts_implementation=\"batched_mm\" (float32) or \"grouped_mm\" (bfloat16)"),
@@ -186,6 +187,7 @@ def trace(model: nn.Module, example_inputs: tuple, device=None) -> TracedModel:
     finally:
         model.train(was_training)
     _backward_sources(gm)
+    sum_then_divide_mean_losses(gm)
     traced = _pair(gm, example_inputs)
     _tie(traced, model)
     traced.fingerprint = _fingerprint(traced.gm)

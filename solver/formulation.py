@@ -55,7 +55,7 @@ from dataclasses import dataclass, field, replace
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoshard import costmodel
+from autoshard.cluster import costmodel
 from autoshard.errors import ConstraintError
 from autoshard.notation import parse_placements
 from autoshard.passes.annotate import META_KEY as COST_KEY, feeds_only_grads, is_free, tensor_bytes
@@ -234,7 +234,7 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     problem = Problem(nodes, cost, allowed, block=block, overlap=cluster.device.comm_overlap,
                       micro_batches=micro_batches, storage=storage)
     # storage -> working placement: one gather per step (not per micro-batch: the copy is kept)
-    # (under a mixed-precision policy the gather moves the compute dtype: autoshard/runtime.py)
+    # (under a mixed-precision policy the gather moves the compute dtype: autoshard/runtime/module.py)
     for p, st in storage.items():
         full = tensor_bytes(p.meta["val"])
         moves = min(full, tensor_bytes(p.meta["val"], param_dtype)) if param_dtype else full

@@ -164,7 +164,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
-from autoshard import costmodel
+from autoshard.cluster import costmodel
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free, tensor_bytes
 from autoshard.passes.coarsen import LAYER_KEY
 from autoshard.passes.strategies import META_KEY, per_strategy_list, tensor_inputs, value_of

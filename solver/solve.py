@@ -26,7 +26,7 @@ from ortools.math_opt.python import mathopt
 from ortools.math_opt.python.callback import CallbackRegistration
 from ortools.math_opt.python.init_arguments import StreamableSolverInitArguments
 
-from autoshard import costmodel
+from autoshard.cluster import costmodel
 from autoshard.errors import CutoffError, InfeasibleError, SolverError
 from autoshard.solver.formulation import Problem, slices_to
 from autoshard.solver.memory import Breakdown, MemoryModel, predicted_memory

@@ -9,7 +9,7 @@ import torch
 
 import autoshard
 from autoshard import _torch
-from autoshard.baselines import plan_baseline
+from autoshard.planning.baselines import plan_baseline
 from autoshard.zoo import GPT, GPTConfig
 
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 import autoshard
-import autoshard.checkpoint as ckpt
+import autoshard.runtime.checkpoint as ckpt
 from autoshard.zoo import GPT, MLP, GPTConfig
 from dist_cases import GPT_CASES, GPT_CASES_2D
 

@@ -15,7 +15,8 @@ import torch
 import torch.fx as fx
 
 import autoshard
-from autoshard import baselines, corpus
+from autoshard.planning import baselines
+from autoshard.zoo import corpus
 from autoshard.cluster import Cluster
 from autoshard.errors import InfeasibleError
 from autoshard.zoo import GPT, GPTConfig, Llama, LlamaConfig

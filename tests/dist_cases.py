@@ -11,6 +11,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import autoshard
 from autoshard.zoo import GPT, MLP, GPTConfig
@@ -93,7 +94,7 @@ def one_case(kind: str, mesh_shape, constraints, lr: float = 0.1) -> dict:
     err["gathered_once"] = len(dm._working)  # parameters computed with a kept working copy
     err["inputs"] = list(dm.plan.inputs)
     params = list(dm.parameters())
-    err["is_dtensor"] = bool(params) and all(isinstance(p, torch.distributed.tensor.DTensor) for p in params)
+    err["is_dtensor"] = bool(params) and all(isinstance(p, DTensor) for p in params)
     names = sorted(n for n, _ in dm.named_parameters())
     err["names"] = bool(names) and names == sorted(n for n, _ in ref.named_parameters())
     return err

@@ -1,5 +1,5 @@
 """Baselines (autoshard.baselines) on small models: each hand strategy's plan obeys its definition
-and the free plan (over the logical meshes of autoshard.meshes) is no slower than any of them.
+and the free plan (over the logical meshes of autoshard.planning.meshes) is no slower than any of them.
 The candidate rule is in test_meshes.py, the textbook behaviour of the free plan in test_sanity.py."""
 
 import re
@@ -9,10 +9,10 @@ import torch
 
 import autoshard
 from autoshard import Cluster, Plan
-from autoshard.baselines import BASELINES, allow_for, compare, logical_meshes, plan_baseline
+from autoshard.planning.baselines import BASELINES, allow_for, compare, logical_meshes, plan_baseline
 from autoshard.cluster import H100, IB_NDR, NVLINK4
 from autoshard.errors import InfeasibleError
-from autoshard.meshes import candidates
+from autoshard.planning.meshes import candidates
 from autoshard.solver.formulation import Storage
 from autoshard.zoo import GPT, MLP, GPTConfig
 
@@ -267,7 +267,7 @@ def baseline_job(names: list[str]) -> dict:
 
 @pytest.mark.world(2)
 def test_baseline_plans_on_logical_meshes_run():
-    from autoshard.launch import run_local
+    from autoshard.runtime.launch import run_local
 
     names = ["megatron", "fsdp+recompute"]
     for res in run_local(baseline_job, 2, names, timeout=600):
@@ -280,7 +280,7 @@ def test_baseline_plans_on_logical_meshes_run():
 
 def test_free_plan_no_slower_than_baselines_on_two_nodes():
     """2 nodes of 4: the baselines' grids include 3-D ones (AxoNN's (z, y, x) = (2, 2, 2)), which
-    the free plan reaches through the pruned 3-D candidates of autoshard.meshes."""
+    the free plan reaches through the pruned 3-D candidates of autoshard.planning.meshes."""
     torch.manual_seed(0)
     traced = autoshard.trace(MLP(), (torch.randn(64, 32), torch.randn(64, 16)))
     plans = compare(traced, _cluster(2, 4), baselines=["hsdp", "megatron", "tp_fsdp", "axonn_4d"], time_limit=60)

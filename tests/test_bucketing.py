@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 import bucket_cases
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
+
+pytestmark = pytest.mark.world(2)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch.distributed as dist
 
-from autoshard.calibrate import fit_line, link_from_fit, size_switch_latency, time_collective
+from autoshard.cluster.calibrate import fit_line, link_from_fit, size_switch_latency, time_collective
 from autoshard.cluster import COLLECTIVES, Cluster, DeviceSpec, LinkSpec
 from autoshard.errors import ClusterError
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
 
 KiB, MiB = 2**10, 2**20
 HELD_OUT = 6 * MiB       # an all-reduce size the calibration does not use (64 KiB .. 16 MiB)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 import ckpt_cases as cc
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
 
 pytestmark = pytest.mark.world(2)
 ATOL = 1e-5

@@ -107,7 +107,7 @@ def test_sharing_matches_the_exact_optimum(small_gpt, layers, fraction):
     assert exact.step_time <= shared.step_time * (1 + 1e-3)
     # Whole-layer steps are coarsest in a short stack: at 0.7 with two layers the shared problem
     # alone is 1.09% slower (the exact plan shards the last layer's MLP otherwise); deciding the
-    # last layer apart (api.LAST_LAYER_APART) brings it to 0.14%.
+    # last layer apart (planning.driver.LAST_LAYER_APART) brings it to 0.14%.
     assert shared.step_time <= exact.step_time * 1.01
     assert shared.peak_memory <= (cap or cluster.memory_limit) * (1 + 1e-9)
 

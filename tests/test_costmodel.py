@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autoshard
-from autoshard import costmodel
+from autoshard.cluster import costmodel
 from autoshard.cluster import Cluster, training_state_bytes, transformer_activation_bytes
 from autoshard.zoo import Llama, LlamaConfig
 

@@ -12,8 +12,9 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 
 import autoshard
-from autoshard import _torch, costmodel
-from autoshard.calibrate import link_from_fit
+from autoshard import _torch
+from autoshard.cluster import costmodel
+from autoshard.cluster.calibrate import link_from_fit
 from autoshard.cluster import COLLECTIVES, Cluster, DeviceSpec
 from autoshard.passes.annotate import META_KEY as COST_KEY, tensor_bytes
 from autoshard.passes.coarsen import repeated_layers
@@ -146,7 +147,7 @@ def test_fsdp_recompute_gathers_every_parameter_again():
     linear's batch and gathers its output before the activation, and computes the rest
     replicated, so the replays also gather that output (16 x 128) and the batch-sharded target
     (the loss) again. The ILP's objective grows by those gathers and the replayed compute."""
-    from autoshard.baselines import plan_baseline
+    from autoshard.planning.baselines import plan_baseline
 
     c = Cluster.local(2)
     torch.manual_seed(0)

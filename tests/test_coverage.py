@@ -1,5 +1,5 @@
 """Strategy coverage: enumeration equals brute force, every gap is reported, and a corpus of real
-architectures (autoshard/corpus.py) plans without gaps; a subset trains on 2 gloo ranks like one
+architectures (autoshard/zoo/corpus.py) plans without gaps; a subset trains on 2 gloo ranks like one
 device (tests/zoo_cases.py)."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from torch.distributed.tensor import Shard
 import autoshard
 import brute_force
 import zoo_cases as zc
-from autoshard import _torch, corpus, zoo
+from autoshard import _torch, zoo
+from autoshard.zoo import corpus
 from autoshard.cluster import Cluster
 from autoshard.errors import CoverageGapError
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
 from autoshard.passes.coverage import coverage_gaps
 from autoshard.passes.strategies import META_KEY, find_strategies, tensor_inputs
 
@@ -173,7 +174,8 @@ def test_gap_raises_under_strict(gap_plan):
 
 
 def test_no_gap_where_replicating_is_the_answer():
-    """A loss (reduction to a scalar), integer indices and a norm's weight are not gaps."""
+    """Integer indices and a norm's weight are not gaps; the loss is none either, because it keeps
+    the batch split (on torch 2.14 and 2.15 only once passes/normalize.py has rewritten it)."""
     traced = _traced("zoo:gpt")
     find_strategies(traced.gm, _mesh((2,)))
     assert coverage_gaps(traced.gm) == []

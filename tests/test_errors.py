@@ -10,10 +10,11 @@ import torch
 import autoshard
 import dist_cases as dc
 from autoshard.errors import ClusterError, NoShardingRuleError, TraceError
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
 from autoshard.zoo import MLP
 
 
+@pytest.mark.world(2)
 def test_cluster_size_differs_from_world_size():
     msgs = run_local(dc.mismatched_world_case, 2, timeout=300)
     for rank, msg in enumerate(msgs):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.launch import DistributedRunError, run_local
+from autoshard.runtime.launch import DistributedRunError, run_local
 from autoshard.zoo import MLP
 
 pytestmark = pytest.mark.world(2)

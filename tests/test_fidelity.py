@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autoshard.cluster import Cluster
-from autoshard.memtrack import PeakMemory
+from autoshard.runtime.memtrack import PeakMemory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import fidelity  # noqa: E402

@@ -80,7 +80,7 @@ def test_gpu_bench_at_tiny_size_matches_eager(bench, tmp_path):
             untrained = model_(*case.batches(report["steps"], "cpu")[-1]).item()
         assert abs(untrained - free["eager_losses"][-1]) > 100 * FP32_RTOL * abs(untrained), model
     sim = report["simulate"]
-    if importlib.util.find_spec("autoshard.simulate") is None:
+    if importlib.util.find_spec("autoshard.runtime.simulate") is None:
         assert sim == {"status": "autoshard.simulate is not installed: nothing simulated"}
     else:
         assert sim["reference_error"] is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.launch import DistributedRunError, free_port, run_local
+from autoshard.runtime.launch import DistributedRunError, free_port, run_local
 
 pytestmark = pytest.mark.world(2)
 
@@ -109,7 +109,7 @@ def test_deadline_names_timed_out_ranks():
 def test_retries_once_when_port_in_use(monkeypatch):
     import socket
 
-    import autoshard.launch as launch
+    import autoshard.runtime.launch as launch
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""Simulated ranks (autoshard/simulate.py): a plan's emitted module, every rank in this process
+"""Simulated ranks (autoshard/runtime/simulate.py): a plan's emitted module, every rank in this process
 under torch's LocalTensorMode, trained like the same model on one device.
 
 FSDP-like and Megatron-like (tensor-parallel) plans on 2 and 4 ranks and a data x tensor plan on
@@ -22,9 +22,10 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 import autoshard
-from autoshard import simulate, zoo
+from autoshard import zoo
+from autoshard.runtime import simulate
 from autoshard.errors import ClusterError, RuntimeMismatchError
-from autoshard.roles import allow_for
+from autoshard.planning.roles import allow_for
 
 # fp32, 3 AdamW steps at lr 1e-3. AdamW divides each gradient element by its running scale, so
 # an element that is all rounding noise moves by up to lr whichever way the noise goes: parameters

@@ -1,4 +1,4 @@
-"""Logical meshes (autoshard.meshes): the documented candidate rule, link pricing of logical dims,
+"""Logical meshes (autoshard.planning.meshes): the documented candidate rule, link pricing of logical dims,
 the pruned 3-D candidates (data parallel outside, free inside) and planning over all of them."""
 
 import math
@@ -10,7 +10,7 @@ import torch
 import autoshard
 from autoshard import Cluster
 from autoshard.cluster import H100, IB_NDR, NVLINK4
-from autoshard.meshes import DATA_NAMES, allow_data_outer, candidates
+from autoshard.planning.meshes import DATA_NAMES, allow_data_outer, candidates
 from autoshard.zoo import MLP
 
 pytestmark = pytest.mark.filterwarnings("ignore:autoshard.*planned replicated")
@@ -56,7 +56,7 @@ def test_axonn_style_grid_is_a_candidate_on_eight_nodes():
 
 def test_every_axonn_baseline_grid_is_a_candidate_on_one_node():
     # the free plan's space holds each hand-written grid: AxoNN's (1, z, y, x) is (z, y, x)
-    from autoshard.baselines import BASELINES
+    from autoshard.planning.baselines import BASELINES
 
     for gpus in (8, 16):
         got = [shape for shape, _ in candidates(_cluster(1, gpus))]
@@ -145,7 +145,7 @@ def test_cutoff_stops_a_plan_that_cannot_beat_it(mlp):
 
 def test_failure_names_why_a_mesh_has_no_plan():
     from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
-    from autoshard.meshes import failure
+    from autoshard.planning.meshes import failure
 
     assert failure(SolverError("HIGHS found no plan within 120s")) == "time_limit"
     assert failure(CutoffError("no plan predicts a step under 1 s")) == "slower"

@@ -5,7 +5,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autoshard
-from autoshard import _torch, corpus, zoo
+from autoshard import _torch, zoo
+from autoshard.zoo import corpus
 from autoshard.notation import parse_placement, parse_placements, placement_str, placements_str
 from autoshard.passes.strategies import META_KEY, find_strategies
 

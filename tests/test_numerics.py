@@ -13,7 +13,9 @@ import fnmatch
 import pytest
 
 import dist_cases as dc
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
+
+pytestmark = pytest.mark.world(4)
 
 ATOL = 1e-5
 

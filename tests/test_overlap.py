@@ -148,7 +148,7 @@ def test_tensor_parallel_collectives_stay_exposed():
 def test_grad_accumulation_charges_the_reduction_once():
     """K micro-batches: compute and activation collectives K times, gradient reductions once, and
     each gradient held unreduced (where backward made it; Partial = a full copy) in between."""
-    from autoshard.api import _choice_from_plan
+    from autoshard.build import choice_from_plan
     from autoshard.passes.strategies import value_of
 
     c = GPTConfig(vocab=512, seq=64, hidden=256, heads=4, layers=2)
@@ -176,7 +176,7 @@ def test_grad_accumulation_charges_the_reduction_once():
             assert n.compute == pytest.approx(4 * same[n.name], rel=1e-9)
     assert four.step_time <= 4 * one.step_time * (1 + 1e-6)  # one reduction per 4 micro-batches pays
     # the accumulation buffers by hand, from the chosen placements of the gradients' producers
-    choice = _choice_from_plan(traced, four)
+    choice = choice_from_plan(traced, four)
     held = 0.0
     for g in traced.grads.values():
         u, k = value_of(g)

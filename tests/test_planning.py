@@ -103,7 +103,7 @@ def test_gpt2_parallel_beats_single_device(gpt2):
             hand += max(c.flops / (d.flops(c.dtype) * d.compute_efficiency),
                         c.bytes / (d.memory_bandwidth * d.memory_efficiency)) + d.launch_overhead
     # plus AdamW on each whole parameter, foreach (the H100's, torch's default on CUDA): 20 passes
-    # over its bytes, its kernels shared by every parameter (autoshard/costmodel.py)
+    # over its bytes, its kernels shared by every parameter (autoshard/cluster/costmodel.py)
     for _, node in traced.params:
         hand += 20 * node.meta["val"].nbytes / (d.memory_bandwidth * d.memory_efficiency)
     assert single.step_time == pytest.approx(hand, rel=1e-9)

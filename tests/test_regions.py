@@ -129,17 +129,17 @@ def test_forbidding_one_member_keeps_the_whole_region_global(mixtral):
 def test_a_plan_that_splits_a_region_unevenly_is_refused(mixtral):
     """An edited plan file in which one member of a region stops splitting tokens would run a
     rank-local sort next to global gathers: compile refuses it, naming both nodes."""
-    from autoshard.api import _choice_from_plan
+    from autoshard.build import choice_from_plan
     from autoshard.errors import PlanMismatchError
 
     plan = autoshard.plan(mixtral, sharding_cluster((2,)))
-    _choice_from_plan(mixtral, plan)   # the solver's own plan runs
+    choice_from_plan(mixtral, plan)   # the solver's own plan runs
     edited = next(n for n in plan.nodes if n.name == "sort_1")
     assert edited.strategy == "(S(0))->(S(0)),(S(0))"
     edited.strategy = "(R)->(R),(R)"
     with pytest.raises(PlanMismatchError, match=r"sort_1 splits the tokens .* sorted at sort_1 on mesh dims \[\], "
                                                  r"floor_divide_1 on \[0\]"):
-        _choice_from_plan(mixtral, plan)
+        choice_from_plan(mixtral, plan)
 
 
 class _Dispatch(nn.Module):

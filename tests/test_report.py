@@ -13,7 +13,7 @@ import torch
 import autoshard
 from autoshard import Cluster, Plan
 from autoshard.errors import PlanError, PlanMismatchError
-from autoshard.plan import PlanDiff
+from autoshard.planning.plan import PlanDiff
 from autoshard.zoo import GPT, MLP, GPTConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:autoshard.*planned replicated")
@@ -80,10 +80,11 @@ def test_plan_json_carries_new_fields(plans):
     (lambda d: d.update(edges=[["a"]]), "edges"),
     (lambda d: d.update(memory_timeline=[["a", "big"]]), "memory_timeline"),
     (lambda d: d.update(mfu="high"), "mfu"),
+    (lambda d: d.update(param_names={"primals_1": 3}), "param_names"),
     (lambda d: d.update(memory_limit=-1), "memory_limit"),
     (lambda d: d.pop("fingerprint"), "fingerprint"),
     (lambda d: d["nodes"][0].update(recompute="yes"), "recompute"),
-], ids=["node-compute", "comm-entry", "edges", "timeline", "mfu", "limit", "fingerprint", "recompute"])
+], ids=["node-compute", "comm-entry", "edges", "timeline", "mfu", "param-names", "limit", "fingerprint", "recompute"])
 def test_corrupt_plan_says_where(plans, mutate, words):
     _, free, _ = plans
     d = json.loads(free.to_json())
@@ -161,7 +162,7 @@ def _dot_graphs(text):
 def test_dot_parses_with_pydot_and_networkx(plans):
     _, _, pinned = plans
     p = _dressed(pinned)
-    g, nxg = _dot_graphs(p.to_dot())
+    g, nxg = _dot_graphs(p.to_dot(aten=True))
     names = {n.name for n in p.nodes}
     assert names <= set(nxg.nodes)
     assert {(a, b) for a, b in p.edges} <= set(nxg.edges())
@@ -188,7 +189,7 @@ def test_dot_pins_collectives_to_their_edge(plans):
     consumer = next(n for n in p.nodes if n.comm and n.comm[0]["time"] > 0)
     producer = next(n for n in p.nodes if n.name != consumer.name)
     consumer.comm = [{**consumer.comm[0], "src": producer.name}]
-    _, nxg = _dot_graphs(p.to_dot())
+    _, nxg = _dot_graphs(p.to_dot(aten=True))
     labels = [d.get("label", "") for d in nxg.get_edge_data(producer.name, consumer.name).values()]
     assert any(consumer.comm[0]["kind"] in l for l in labels)
 
@@ -200,7 +201,7 @@ def test_dot_without_edges_has_just_nodes(plans):
     for n in p.nodes:   # a collective naming its producer would draw that edge
         n.comm = []
     p.nodes[0].name = 'odd "name" \\ here'
-    g, nxg = _dot_graphs(p.to_dot())
+    g, nxg = _dot_graphs(p.to_dot(aten=True))
     assert nxg.number_of_nodes() == len(p.nodes) and nxg.number_of_edges() == 0
 
 
@@ -225,7 +226,8 @@ def _check_html(text):
     parser.close()
     assert "http://" not in text and "https://" not in text and "src=" not in text
     assert "script" not in parser.tags and "link" not in parser.tags and "img" not in parser.tags
-    assert "url(" not in text.replace("url(#arrow)", "")   # the only reference is the inline arrow marker
+    # the only references are the inline arrow markers
+    assert "url(" not in text.replace("url(#arrow)", "").replace("url(#marrow)", "")
     return parser
 
 
@@ -235,10 +237,14 @@ def test_html_report_is_self_contained(plans, tmp_path):
     p.save_html(tmp_path / "plan.html")
     text = (tmp_path / "plan.html").read_text(encoding="utf-8")
     parser = _check_html(text)
-    assert parser.svgs == ["memory-plot", "plan-graph"]
+    assert parser.svgs == ["memory-plot", "module-graph", "aten-graph"]
     assert ("line", "cap") in parser.classes and ("polyline", "memory") in parser.classes
-    endpoints = {x for e in p.edges for x in e} | {n.name for n in p.nodes}   # "output" may be only an endpoint
+    # the ATen drill-down draws the first copy of the repeated block, and every endpoint of its edges
+    layer0 = {n.name for n in p.nodes if n.layer == 0}
+    endpoints = {x for e in p.edges if e[0] in layer0 and e[1] in layer0 for x in e} | layer0
+    endpoints |= {c["src"] for n in p.nodes if n.name in layer0 for c in n.comm if c.get("src") and c["time"] > 0}
     assert sum(1 for t, c in parser.classes if c == "node") == len(endpoints)
+    assert "blocks.0-1  x 2" in text
     assert "solver&#x27;s prediction" in text or "solver's prediction" in text   # the given timeline
     assert "parameter storage" in text.lower() and "wte.weight" in text
     assert "<table>" in text and p.nodes[0].name in text
@@ -249,8 +255,8 @@ def test_html_derives_a_timeline_without_one(plans):
     p = copy.deepcopy(free)
     p.memory_timeline, p.memory_limit, p.edges = [], None, []
     parser = _check_html(p.to_html())
-    assert parser.svgs == ["memory-plot", "plan-graph"] and ("line", "cap") not in parser.classes
-    from autoshard.report_html import memory_timeline
+    assert parser.svgs == ["memory-plot", "module-graph", "aten-graph"] and ("line", "cap") not in parser.classes
+    from autoshard.report.html import memory_timeline
 
     line, derived = memory_timeline(p)
     assert derived and max(b for _, b in line) == pytest.approx(p.peak_memory)
@@ -280,7 +286,11 @@ def test_diff_lists_differing_nodes(plans, sharded):
     assert d.peak_memory_delta == pytest.approx(pinned.peak_memory - free.peak_memory)
     text = str(d)
     assert "step time" in text and "peak memory" in text and d.nodes[0].name in text
-    assert d.storage and all(name in text for name in d.storage)
+    from autoshard.report.text import storage_rows
+
+    folded = storage_rows(type("S", (), {"storage": {k: f"{a} -> {b}" for k, (a, b) in d.storage.items()}}))
+    assert d.storage and all(name in text for name, _, _ in folded)
+    assert sum(copies for _, _, copies in folded) == len(d.storage)
     same = free.diff(Plan.from_json(free.to_json()))
     assert same.identical and same.nodes == [] and "same decisions" in str(same)
 
@@ -298,7 +308,7 @@ def test_diff_sees_recompute_changes(plans):
 def test_storage_folds_repeated_layers_in_natural_order():
     from types import SimpleNamespace
 
-    from autoshard.report import storage_rows
+    from autoshard.report.text import storage_rows
 
     storage = {"wte.weight": "(S(0))", "ln_f.weight": "(R)"}
     for i in range(12):
@@ -319,3 +329,220 @@ def test_summary_storage_obeys_max_rows(plans):
     short, full = plan.summary(max_rows=1), plan.summary(expand=True)
     assert f"{folded - 1} more rows not shown" in short
     assert "more rows not shown" not in full and "x2" in full   # the tiny GPT's two layers, folded
+
+
+# ---------------------------------------------------------------------------- repeated layers folded
+def _layered(strategies: dict[int, str], layers=12):
+    """A plan-like object: per layer a matmul (strategy from ``strategies``, default "(R)->(R)") and an add."""
+    from types import SimpleNamespace
+
+    from autoshard.planning.plan import NodeDecision
+
+    nodes = [NodeDecision("embed", "aten.embedding.default", "(R)->(R)", 1e-3, "fwd")]
+    for j in range(layers):
+        nodes += [NodeDecision(f"mm_{j}", "aten.mm.default", strategies.get(j, "(R)->(R)"), 2e-3, "fwd", layer=j),
+                  NodeDecision(f"add_{j}", "aten.add.Tensor", "(R)->(R)", 1e-4, "fwd", layer=j)]
+    return SimpleNamespace(nodes=nodes, mesh_shape=(2,))
+
+
+def test_alike_layers_fold_into_one_group():
+    from autoshard.report.text import node_groups
+
+    plan = _layered({5: "(S(0))->(S(0))"})
+    groups, hidden = node_groups(plan, max_rows=40)
+    assert [g.title for g in groups] == ["forward", "forward, layers 0-4,6-11 x 11", "forward, layer 5"]
+    folded = groups[1]
+    assert [n.name for n in folded.nodes] == ["mm_0", "add_0"]              # the first copy stands for all
+    assert folded.total == 22 and folded.compute == pytest.approx(11 * 2.1e-3)
+    assert hidden == 0                                                      # every node has a row standing for it
+    unfolded, _ = node_groups(plan, max_rows=None, fold=False)
+    assert len(unfolded) == 13 and sum(len(g.nodes) for g in unfolded) == len(plan.nodes)
+
+
+def test_top_rows_rank_a_folded_row_by_all_its_copies():
+    from autoshard.report.text import node_groups
+
+    plan = _layered({})
+    plan.nodes[0].compute = 5e-3                      # one embedding: 5 ms; twelve matmuls: 2 ms each, 24 in all
+    groups, hidden = node_groups(plan, max_rows=1)
+    assert [n.name for g in groups for n in g.nodes] == ["mm_0"]
+    assert hidden == 1 + 12                           # the embedding and the twelve adds
+
+
+def test_summary_folds_the_real_layers(plans):
+    """The tiny GPT's two layers fold where their decisions match, and the folded table names no node
+    of layer 1 while the full one does."""
+    from autoshard.report.text import _signature
+
+    _, free, _ = plans
+    text, full = free.summary(max_rows=40), free.summary(expand=True)
+    for phase, word in (("fwd", "forward"), ("bwd", "backward")):
+        per_layer = [[n for n in free.nodes if n.phase == phase and n.layer == j] for j in (0, 1)]
+        alike = _signature(per_layer[0]) == _signature(per_layer[1])
+        assert (f"{word}, layers 0-1 x 2" in text) == alike
+        assert (f"{word}, layer 1 " in text or f"{word}, layer 1\n" in text) == (not alike)
+        if alike:
+            names = {n.name for n in per_layer[1]}
+            first_cells = lambda t: {line.split("│")[1].strip()  # noqa: E731
+                                     for line in t.splitlines() if line.startswith("│")}
+            assert not names & first_cells(text)
+            assert names & first_cells(full)
+    assert "layers 0-1 x 2" not in full
+
+
+# ---------------------------------------------------------------------------- names and order
+def test_placeholders_are_named_by_their_parameter(plans, traced):
+    _, free, _ = plans
+    assert free.param_names == {node.name: name for name, node in traced.params}
+    assert Plan.from_json(free.to_json()).param_names == free.param_names
+    d = json.loads(free.to_json())
+    d.pop("param_names")                                   # a plan saved before the field existed
+    assert Plan.from_json(json.dumps(d)).param_names == {}
+    text = free.summary(expand=True, width=300)
+    assert all(f"{node} ({name})" in text for node, name in free.param_names.items())
+
+
+def test_storage_rows_follow_the_model(plans):
+    from autoshard.report.text import storage_rows
+
+    _, free, _ = plans
+    with torch.device("meta"):
+        order = [name for name, _ in GPT(GPTConfig.tiny()).named_parameters()]
+    first = [name.replace("[0-1]", "0") for name, _, _ in storage_rows(Plan.from_json(free.to_json()))]
+    positions = [order.index(name) for name in first]
+    assert positions == sorted(positions) and len(first) < len(order)
+
+
+def test_diff_ranks_by_step_time_change(plans):
+    """Three changes of known size: an alike change in both layers (+1 ms each), one backward node
+    outside the layers (+1.5 ms) and a placeholder whose cost does not move."""
+    from autoshard.report.text import diff_rows
+
+    _, free, _ = plans
+    other = copy.deepcopy(free)
+    by_layer = [[n for n in other.nodes if n.phase == "fwd" and n.layer == j] for j in (0, 1)]
+    i = next(i for i, (x, y) in enumerate(zip(*by_layer))
+             if (x.op, x.strategy, x.compute, x.comm) == (y.op, y.strategy, y.compute, y.comm) and x.compute > 0)
+    for n in (by_layer[0][i], by_layer[1][i]):
+        n.strategy, n.compute = n.strategy + " ", n.compute + 1e-3
+    lone = next(n for n in other.nodes if n.phase == "bwd" and n.layer is None and n.compute > 0)
+    lone.strategy, lone.compute = lone.strategy + " ", lone.compute + 1.5e-3
+    holder = next(n for n in other.nodes if n.name in other.param_names)
+    holder.strategy += " "
+    d = free.diff(other)
+    rows = diff_rows(d)
+    assert [(r.change.name, r.layers) for r in rows] == [(by_layer[0][i].name, [0, 1]), (lone.name, []),
+                                                        (holder.name, [])]
+    assert [r.impact for r in rows] == pytest.approx([2e-3, 1.5e-3, 0.0])
+    from autoshard.report.text import diff_text
+
+    text = diff_text(d, width=300)
+    assert text.index(by_layer[0][i].name) < text.index(lone.name) < text.index(holder.name)
+    assert f"{holder.name} ({free.param_names[holder.name]})" in text and "0-1 x 2" in text
+
+
+def test_diff_rows_add_up(plans, sharded):
+    """On two real plans: every changed node is in one row, and the rows' changes add up to the
+    nodes' own cost differences."""
+    from autoshard.report.text import diff_rows
+
+    _, free, _ = plans
+    d = free.diff(sharded)
+    rows = diff_rows(d)
+    a, b = {n.name: n for n in free.nodes}, {n.name: n for n in sharded.nodes}
+    cost = lambda n: n.compute * (1 + n.recompute) + sum(c["time"] for c in n.comm)  # noqa: E731
+    assert sum(r.impact for r in rows) == pytest.approx(sum(cost(b[c.name]) - cost(a[c.name]) for c in d.nodes))
+    assert sum(max(1, len(r.layers)) for r in rows) == len(d.nodes)
+    impacts = [abs(r.impact) for r in rows]
+    assert impacts == sorted(impacts, reverse=True)
+
+
+# ---------------------------------------------------------------------------- the memory plot
+def _svg(plan):
+    import xml.etree.ElementTree as ET
+
+    from autoshard.report.html import memory_svg
+
+    root = ET.fromstring(memory_svg(plan))
+    ns = lambda tag: tag.split("}")[-1]  # noqa: E731
+    return [(ns(el.tag), el.get("class") or "", el, "".join(el.itertext())) for el in root.iter()]
+
+
+def _one(items, cls):
+    (el,) = [el for _, c, el, _ in items if c == cls]
+    return el
+
+
+@pytest.fixture(scope="module")
+def capped(traced, plans):
+    """A plan held under 75% of the free plan's peak: its peak is not the top of its timeline."""
+    cluster, free, _ = plans
+    return autoshard.plan(traced, cluster, memory_limit=0.75 * free.peak_memory)
+
+
+def test_memory_plot_peak_is_the_plans_peak(capped):
+    from autoshard.report.text import fmt_bytes, header_lines
+
+    curve_top = max(b for _, b in capped.memory_timeline)
+    assert capped.peak_memory > curve_top            # the two models differ here: the case the label got wrong
+    items = _svg(capped)
+    label = "".join(_one(items, "peak-label").itertext())
+    assert label.startswith(f"peak {fmt_bytes(capped.peak_memory)} ({capped.peak_moment})")
+    assert f"peak memory {fmt_bytes(capped.peak_memory)}" in header_lines(capped)[2]
+    assert fmt_bytes(curve_top) not in label
+
+
+def test_memory_plot_counts_the_recomputed_term(plans):
+    """As in a recompute plan: the timeline tops out at the peak less the recomputed values."""
+    from autoshard.report.text import fmt_bytes
+
+    _, free, _ = plans
+    p = copy.deepcopy(free)
+    p.nodes[next(i for i, n in enumerate(p.nodes) if n.phase == "fwd" and n.compute > 0)].recompute = True
+    p.memory = {**p.memory, "recomputed": 42.0 * 2**20}
+    p.peak_memory = sum(p.memory.values())
+    top = max(b for _, b in p.memory_timeline)
+    p.memory_timeline = [(n, b * (p.peak_memory - 42.0 * 2**20) / top) for n, b in p.memory_timeline]
+    label = "".join(_one(_svg(p), "peak-label").itertext())
+    assert f"peak {fmt_bytes(p.peak_memory)}" in label
+    assert "recomputed" in p.to_html().split('<ul class="legend">')[1].split("</ul>")[0]
+
+
+def test_memory_plot_axes(plans):
+    """One unit on the y axis (bare numbers under one unit name); phases and layers on the x axis."""
+    _, free, _ = plans
+    items = _svg(free)
+    ticks = [text for _, c, _, text in items if "ytick" in c]
+    assert len(ticks) >= 3 and all(float(t) >= 0 for t in ticks)
+    assert [text for _, c, _, text in items if c == "unit"] in (["KiB"], ["MiB"], ["GiB"])
+    phases = [text for _, c, _, text in items if c == "phase"]
+    assert phases == ["forward", "backward", "optimizer"]
+    layers = {n.layer for n in free.nodes if n.layer is not None}
+    assert {text for _, c, _, text in items if c == "layer"} == {f"L{j}" for j in layers}
+    # a tick where each layer starts, in forward and again in backward
+    assert sum(1 for _, c, _, _ in items if c == "layer-tick") >= 2 * len(layers)
+
+
+@pytest.mark.parametrize("cap_over_peak", [0.95 + 0.0025 * k for k in range(81)] + [1.5, 2.5])
+def test_memory_plot_labels_clear_the_cap(plans, cap_over_peak):
+    _, free, _ = plans
+    p = copy.deepcopy(free)
+    p.memory_limit = p.peak_memory * cap_over_peak
+    items = _svg(p)
+    cap_y, peak_y = float(_one(items, "cap").get("y1")), float(_one(items, "peak").get("y1"))
+    peak_label, cap_label = float(_one(items, "peak-label").get("y")), float(_one(items, "cap-label").get("y"))
+    box = lambda y: (y - 11, y + 3)  # noqa: E731  11 px text about its baseline
+    for (lo, hi), line in ((box(peak_label), cap_y), (box(cap_label), peak_y)):
+        assert not lo - 1 <= line <= hi + 1, (cap_over_peak, lo, hi, line)
+    (a, b), (c, d) = box(peak_label), box(cap_label)
+    assert b < c or d < a                            # the two labels do not overlap
+    plot = _one(items, "plot")
+    assert all(0 <= y - 11 and y + 3 <= float(plot.get("height")) for y in (peak_label, cap_label))
+
+
+def test_memory_legend_explains_the_curve(plans):
+    _, free, _ = plans
+    legend = free.to_html().split('<ul class="legend">')[1].split("</ul>")[0]
+    for words in ("rises as each layer saves activations", "falls as each layer", "gradients are made",
+                  "working set", "Peak"):
+        assert words in legend

@@ -1,5 +1,5 @@
 """The compiled module on one device: plain parameters, single-device numerics, checkpoints that
-move between one rank and many (autoshard/runtime.py's module doc says why one device is different).
+move between one rank and many (autoshard/runtime/module.py's module doc says why one device is different).
 
 One 1-rank launch trains the tiny GPT, compiled on ``Cluster.local(1)``, through the loop users
 write (AdamW + LambdaLR + ``torch.nn.utils.clip_grad_norm_``, 3 steps; one step accumulated over
@@ -20,11 +20,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import autoshard
-import autoshard.checkpoint as ckpt
+import autoshard.runtime.checkpoint as ckpt
 import ckpt_cases as cc
 import train_cases as tc
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
 from autoshard.zoo import GPT, GPTConfig
+
+pytestmark = pytest.mark.world(2)
 
 ATOL = 1e-5
 LR = 1e-3

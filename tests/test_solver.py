@@ -9,7 +9,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import autoshard
-from autoshard import Cluster, _torch, costmodel
+from autoshard import Cluster, _torch
+from autoshard.cluster import costmodel
 from autoshard.cluster import H100, NVLINK4
 from autoshard.passes.annotate import META_KEY as COST_KEY
 from autoshard.passes.strategies import META_KEY, find_strategies, tensor_inputs, value_of

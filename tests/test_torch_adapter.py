@@ -125,15 +125,21 @@ def test_unsupported_version_names_the_range(version, monkeypatch):
         _torch.check_version(version)
 
 
-def test_import_on_unsupported_torch_fails_at_import():
-    """A fresh interpreter whose torch claims 2.10: ``import autoshard`` fails with the typed error
-    naming the range, before any private name is looked up (no AttributeError from a pass)."""
+@pytest.mark.parametrize("code", [
+    "import torch; torch.__version__ = '2.10.0'; import autoshard",
+    # autoshard imported first loads torch lazily (for a fast `autoshard --help`): the first use checks
+    "import autoshard, torch; torch.__version__ = '2.10.0'; autoshard.plan",
+    "import autoshard.cli, torch; torch.__version__ = '2.10.0'; import autoshard.api",
+])
+def test_import_on_unsupported_torch_fails_at_import(code):
+    """A fresh interpreter whose torch claims 2.10: ``import autoshard`` (or, when torch was not
+    imported yet, the first use of a name that needs it) fails with the typed error naming the
+    range, before any private name is looked up (no AttributeError from a pass)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != _torch.ANY_TORCH}
-    code = "import torch; torch.__version__ = '2.10.0'; import autoshard"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]

@@ -44,7 +44,9 @@ import pytest
 import torch
 
 import train_cases as tc
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
+
+pytestmark = pytest.mark.world(4)
 
 ATOL = 1e-5
 LR32, LR16 = 1e-3, 1e-2

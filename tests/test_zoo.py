@@ -17,7 +17,7 @@ import autoshard
 import zoo_cases as zc
 from autoshard import _torch, zoo
 from autoshard.errors import TraceError
-from autoshard.launch import run_local
+from autoshard.runtime.launch import run_local
 
 ATOL = 1e-5
 GRAD_SCALE = 0.0728  # tiny bf16 Mixtral's largest gradient on one device (test_mixtral_bf16_*)
@@ -158,7 +158,7 @@ def test_autoshard_attention_matches_transformers_eager(name):
 def test_hf_models_trace_or_raise_trace_error_with_the_fix():
     import transformers
 
-    from autoshard import zoo_hf
+    from autoshard.zoo import hf as zoo_hf
 
     ids = torch.randint(0, 128, (2, 16))
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,

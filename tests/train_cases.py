@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard
@@ -116,7 +117,7 @@ def _optim(params, lr):
 
 
 def _full(model) -> dict:
-    return {n: (p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p).detach().clone()
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
 
 

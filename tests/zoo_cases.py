@@ -1,6 +1,6 @@
 """Zoo numerics run inside real gloo processes (module level so spawned ranks can import it).
 
-Each model of the zoo at its tiny size (or of autoshard/corpus.py, named "corpus:NAME"), is compiled under the solver's own plan and trained
+Each model of the zoo at its tiny size (or of autoshard/zoo/corpus.py, named "corpus:NAME"), is compiled under the solver's own plan and trained
 for ``STEPS`` SGD steps on every rank; each rank also runs the same steps on a single-device copy.
 Returned per model: the largest deviation of the loss (every step), of every gradient (every
 step) and of every parameter (after the last step), the distributed run's loss at each step, the
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard import corpus, zoo
+from autoshard import zoo
+from autoshard.zoo import corpus
 from autoshard.cluster import DeviceSpec, LinkSpec
 
 STEPS = 2

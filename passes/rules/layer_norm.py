@@ -69,7 +69,7 @@ RULES = {
     aten._fused_rms_norm_backward.default: (_rms_norm_backward, 2),
 }
 # what this module registered (empty from torch 2.13): tests check these rules
-ADDED = [op for op in RULES if op not in _torch.sharding_propagator().op_single_dim_strategy_funcs]
+ADDED = [op for op in RULES if _torch.single_dim_rule(op) is None]
 for _op in ADDED:
     _rule, _static = RULES[_op]
     _torch.register_single_dim_strategy(_op, schema_info=_torch.RuntimeSchemaInfo(_static))(_rule)

@@ -36,6 +36,6 @@ def _constant_pad(op, args_schema, kwargs_schema):
 
 RULES = {aten.constant_pad_nd.default: _constant_pad}
 # what this module registered (empty from torch 2.13): tests check these rules
-ADDED = [op for op in RULES if op not in _torch.sharding_propagator().op_single_dim_strategy_funcs]
+ADDED = [op for op in RULES if _torch.single_dim_rule(op) is None]
 for _op in ADDED:
     _torch.register_single_dim_strategy(_op, schema_info=_torch.RuntimeSchemaInfo(1))(RULES[_op])

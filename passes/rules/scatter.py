@@ -36,6 +36,6 @@ def _scatter(op, args_schema, kwargs_schema):
 
 RULES = {aten.scatter.src: _scatter, aten.scatter.value: _scatter}
 # what this module registered (empty from torch 2.13): tests check these rules
-ADDED = [op for op in RULES if REPLICATES_ONLY and op not in _torch.sharding_propagator().op_single_dim_strategy_funcs]
+ADDED = [op for op in RULES if REPLICATES_ONLY and _torch.single_dim_rule(op) is None]
 for _op in ADDED:
     _torch.register_single_dim_strategy(_op, schema_info=_torch.RuntimeSchemaInfo(1))(RULES[_op])

@@ -8,7 +8,7 @@ returns a scalar loss. Beside them stand hand-written models in the styles other
 interleaved rotary embeddings with ``torch.stack``, ``unbind`` and ``view_as_complex``, attention
 by ``einsum``, projections split by ``chunk``.
 
-    >>> from autoshard import corpus
+    >>> from autoshard.zoo import corpus
     >>> model, inputs = corpus.get("gptj")
     >>> corpus.names()[:3]
     ['mistral', 'qwen2', 'qwen3']
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard.zoo_hf import CausalLM, ImageClassifier, Wrapped  # the zoo's wrappers: (ids, labels), (pixels, labels)
+from autoshard.zoo.hf import CausalLM, ImageClassifier, Wrapped  # the zoo's wrappers: (ids, labels), (pixels, labels)
 
 SEQ, BATCH, VOCAB, IMAGE = 32, 8, 128, 32
 

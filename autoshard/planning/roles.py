@@ -1,6 +1,6 @@
 """Roles of mesh dims, as an ``allow(node, strategy)`` predicate for :func:`autoshard.plan`: what
 a hand-written parallel strategy lets each op, parameter and input take on each dim
-(:mod:`autoshard.baselines` builds its baselines from them, :mod:`autoshard.meshes` its pruned
+(:mod:`autoshard.baselines` builds its baselines from them, :mod:`autoshard.planning.meshes` its pruned
 3-D candidates).
 
 Roles of a mesh dim (placements are per mesh dim; "stored" is a parameter's placement at rest,
@@ -19,7 +19,7 @@ free       any                          any                                 any
 =========  ===========================  ==================================  =====================
 
 "data" is dp or fsdp, per parameter, as the solver likes; "free" leaves a dim to the solver (the
-pruned 3-D candidates of :mod:`autoshard.meshes` use ("data", "free", "free")). On dp, fsdp and
+pruned 3-D candidates of :mod:`autoshard.planning.meshes` use ("data", "free", "free")). On dp, fsdp and
 data dims an op's outputs are split along the batch (dim 0) or not at all (Replicate, Partial):
 data parallelism, no sequence or feature splits; on AxoNN's x and y dims they are not split
 along the batch; views are exempt (a transposed activation's batch dim moves).

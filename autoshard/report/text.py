@@ -1,10 +1,10 @@
 """Reading a plan: text tables, Graphviz DOT and a self-contained HTML report.
 
-Everything here is a pure function of a :class:`~autoshard.plan.Plan` (plus networkx for the
+Everything here is a pure function of a :class:`~autoshard.planning.plan.Plan` (plus networkx for the
 layout); nothing reaches the network or runs an external program. One row model feeds the text
 table and the HTML table, so the two always agree.
 
-    text = summary_text(plan, max_rows=20)   # what plan.summary() returns
+    text = summary_text(plan, max_rows=20)   # report/summary.py: what plan.summary() returns
     dot = to_dot(plan)                        # parses with pydot / networkx.nx_pydot
     page = to_html(plan)                      # inline SVG graph + memory plot + tables, no <script>
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoshard.notation import split_top
 
@@ -156,33 +156,69 @@ def cap_of(plan) -> tuple[float | None, str]:
 class Group:
     phase: str
     title: str
-    nodes: list          # NodeDecisions shown, in plan order
-    total: int           # nodes of this phase
-    compute: float
+    nodes: list          # NodeDecisions shown, in plan order; for folded layers, the first layer's
+    total: int           # nodes in the group, all its layers together
+    compute: float       # seconds, all its layers together
     comm: float
+    layers: list = field(default_factory=list)   # the layers folded into it; empty outside repeated blocks
 
 
-def node_groups(plan, max_rows: int | None) -> tuple[list[Group], int]:
-    """Nodes by phase (input, fwd, bwd, ...) and repeated layer, keeping the ``max_rows`` costliest
-    overall (None: all); returns the groups and how many nodes were left out."""
-    keep = set(range(len(plan.nodes)))
-    if max_rows is not None:
-        order = sorted(range(len(plan.nodes)), key=lambda i: (-node_cost(plan.nodes[i]), i))
-        keep = set(order[:max_rows])
+def _signature(nodes) -> tuple:
+    """What makes two copies of a layer read alike in a table: each node's op, strategy, recompute
+    mark and collectives, in order (node names differ from copy to copy and do not count)."""
+    return tuple((n.op, n.strategy, n.recompute,
+                  tuple((c["kind"], c["mesh_dim"], round(c["bytes"])) for c in n.comm)) for n in nodes)
+
+
+def layers_title(phase: str, layers: list[int]) -> str:
+    base = PHASES.get(phase, phase)
+    if not layers:
+        return base
+    return f"{base}, layer {layers[0]}" if len(layers) == 1 else \
+        f"{base}, layers {_ranges(layers)} x {len(layers)}"
+
+
+def _raw_groups(plan, fold: bool) -> list[tuple[str, list[int], list[list]]]:
+    """(phase, layers, one node list per layer) in phase order, nodes outside repeated blocks first;
+    with ``fold``, the layers that read alike (:func:`_signature`) share one group."""
     phases = list(PHASES) + sorted({n.phase for n in plan.nodes} - set(PHASES))
-    groups = []
+    out = []
     for ph in phases:
-        # one group per phase and per copy of a repeated block (layer), nodes outside blocks first
-        layers = sorted({n.layer for n in plan.nodes if n.phase == ph}, key=lambda j: -1 if j is None else j)
-        for layer in layers:
-            members = [(i, n) for i, n in enumerate(plan.nodes) if n.phase == ph and n.layer == layer]
-            if not members:
-                continue
-            compute = sum(n.compute for _, n in members)
-            comm = sum(c["time"] for _, n in members for c in n.comm)
-            title = PHASES.get(ph, ph) + ("" if layer is None else f", layer {layer}")
-            groups.append(Group(ph, title, [n for i, n in members if i in keep], len(members), compute, comm))
-    return groups, len(plan.nodes) - len(keep)
+        by_layer: dict = {}
+        for n in plan.nodes:
+            if n.phase == ph:
+                by_layer.setdefault(n.layer, []).append(n)
+        if None in by_layer:
+            out.append((ph, [], [by_layer.pop(None)]))
+        alike: dict = {}
+        for layer in sorted(by_layer):
+            alike.setdefault(_signature(by_layer[layer]) if fold else layer, []).append(layer)
+        out += [(ph, layers, [by_layer[j] for j in layers]) for layers in sorted(alike.values())]
+    return out
+
+
+def node_groups(plan, max_rows: int | None, fold: bool = True) -> tuple[list[Group], int]:
+    """Nodes by phase (input, fwd, bwd, ...) and repeated layer, keeping the ``max_rows`` costliest
+    rows (None: all); returns the groups and how many nodes no row stands for. With ``fold``, copies
+    of a layer that read alike are one group ("forward, layers 0-11 x 12") whose rows are the first
+    copy's nodes, each standing for one node per copy and ranked by their cost over all copies."""
+    raw = _raw_groups(plan, fold)
+    rows = [(gi, n) for gi, (_, _, copies) in enumerate(raw) for n in copies[0]]
+    keep = set(range(len(rows)))
+    if max_rows is not None:
+        weight = lambda k: node_cost(rows[k][1]) * len(raw[rows[k][0]][2])  # noqa: E731
+        keep = set(sorted(range(len(rows)), key=lambda k: (-weight(k), k))[:max_rows])
+    shown: dict[int, list] = {}
+    for k in sorted(keep):
+        shown.setdefault(rows[k][0], []).append(rows[k][1])
+    groups, covered = [], 0
+    for gi, (ph, layers, copies) in enumerate(raw):
+        members = [n for copy in copies for n in copy]
+        covered += len(shown.get(gi, [])) * len(copies)
+        groups.append(Group(ph, layers_title(ph, layers), shown.get(gi, []), len(members),
+                            sum(n.compute for n in members), sum(c["time"] for n in members for c in n.comm),
+                            layers))
+    return groups, len(plan.nodes) - covered
 
 
 def header_lines(plan) -> list[str]:
@@ -221,46 +257,37 @@ def _console(width: int):
     return Console(width=width, record=True, file=io.StringIO(), color_system=None, force_terminal=False)
 
 
-def summary_text(plan, max_rows: int | None = 40, width: int = 160) -> str:
+def export(console) -> str:
+    """The recorded text without the spaces rich pads a title line with to the full width."""
+    return "".join(line.rstrip() + "\n" for line in console.export_text().splitlines())
+
+
+# How a reader asks for every row: a Python caller and the command line are told differently.
+PY_HINTS = {"all": "summary(expand=True)", "diff_more": "PlanDiff.nodes has them all"}
+CLI_HINTS = {"all": "--all", "diff_more": "--max-rows N shows more"}
+
+
+def _nodes_table(plan, groups: list[Group], max_rows: int | None):
     from rich.markup import escape
     from rich.table import Table
 
-    console = _console(width)
-    for line in header_lines(plan):
-        console.print(escape(line))
-    groups, hidden = node_groups(plan, max_rows)
     table = Table(title=f"nodes by phase and layer ({'all' if max_rows is None else f'top {max_rows} by cost'})",
                   title_justify="left")
     for col in ["node", "op"] + [f"{n}({s}) in -> out" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape)] \
             + ["rc", "compute", "communication"]:
-        table.add_column(col, no_wrap=col == "rc", max_width={"node": 30, "op": 18}.get(col),
+        table.add_column(col, no_wrap=col == "rc", max_width={"node": 44, "op": 18}.get(col),
                          overflow="ellipsis" if col == "op" else "fold")
-    noop = 0
     for g in groups:
         table.add_section()
-        table.add_row(f"[bold]{escape(g.title)}[/bold]", f"{g.total} nodes", *[""] * len(plan.mesh_shape), "",
+        count = f"{g.total // len(g.layers)} nodes each" if len(g.layers) > 1 else f"{g.total} nodes"
+        table.add_row(f"[bold]{escape(g.title)}[/bold]", count, *[""] * len(plan.mesh_shape), "",
                       fmt_time(g.compute), f"total {fmt_time(g.comm)}")
         for n in g.nodes:
-            comm = shown_comm(plan, n)
-            noop += len(n.comm) - len(comm)
-            table.add_row(escape(n.name), escape(short_op(n.op)), *map(escape, per_dim(plan, n.strategy)),
+            table.add_row(escape(node_label(plan, n.name)), escape(short_op(n.op)),
+                          *map(escape, per_dim(plan, n.strategy)),
                           "R" if n.recompute else "", fmt_time(n.compute),
-                          escape("\n".join(comm_str(plan, c) for c in comm)))
-    console.print(table)
-    notes = []
-    if hidden:
-        notes.append(f"{hidden} cheaper nodes not shown (summary(expand=True) shows all)")
-    if noop:
-        notes.append(f"{noop} collectives over one-rank mesh dims (no data moves) not shown")
-    notes.append("rc: R = recomputed in backward instead of saved")
-    console.print(escape("; ".join(notes)))
-    console.print(storage_table(plan, max_rows))
-    console.print(memory_table(plan))
-    if plan.fallbacks:
-        console.print(escape("replicated for lack of a rule: " + "; ".join(f"{n} ({r})" for n, r in plan.fallbacks)))
-    if plan.gaps:
-        console.print(gaps_table(plan))
-    return console.export_text()
+                          escape("\n".join(comm_str(plan, c) for c in shown_comm(plan, n))))
+    return table
 
 
 def shard_factor(plan, placements: str) -> int:
@@ -289,7 +316,7 @@ def _ranges(indices: list[int]) -> str:
 
 
 def storage_rows(plan) -> list[tuple[str, str, int]]:
-    """(parameter, placements, copies) in natural order, a repeated layer's parameters folded: names
+    """(parameter, placements, copies) in model order (else natural order), a repeated layer's parameters folded: names
     that differ only in their first index and are stored alike print once, as "h.[0-11].mlp.weight"
     with 12 copies; a layer stored otherwise is its own row."""
     groups: dict[tuple[str, str], list[int]] = {}
@@ -302,14 +329,24 @@ def storage_rows(plan) -> list[tuple[str, str, int]]:
             continue
         key = name[:m.start(1)] + "*" + name[m.end(1):]
         groups.setdefault((key, pl), []).append(int(m.group(1)))
-    rows = [(natural_key(name), (name, pl, 1)) for name, pl in alone]
+    rank = _model_order(plan)
+    where = lambda first: (rank.get(first, len(rank)), natural_key(first))  # noqa: E731
+    rows = [(where(name), (name, pl, 1)) for name, pl in alone]
     for (key, pl), layers in groups.items():
         name = key.replace("*", str(layers[0]) if len(layers) == 1 else f"[{_ranges(layers)}]", 1)
-        rows.append((natural_key(key.replace("*", str(layers[0]), 1)), (name, pl, len(layers))))
+        rows.append((where(key.replace("*", str(layers[0]), 1)), (name, pl, len(layers))))
     return [row for _, row in sorted(rows)]
 
 
-def storage_table(plan, max_rows: int | None = None):
+def _model_order(plan) -> dict[str, int]:
+    """Parameter name -> its place in the model (the order its placeholders come in the graph), where the
+    plan records which placeholder holds which parameter; an older plan has no record and sorts naturally."""
+    names = getattr(plan, "param_names", None) or {}
+    nodes = [n.name for n in getattr(plan, "nodes", [])]
+    return {names[n]: i for i, n in enumerate(k for k in nodes if k in names)}
+
+
+def storage_table(plan, max_rows: int | None = None, hints: dict | None = None):
     """The parameter storage, repeated layers folded (:func:`storage_rows`); ``max_rows`` rows at most."""
     from rich.markup import escape
     from rich.table import Table
@@ -317,8 +354,9 @@ def storage_table(plan, max_rows: int | None = None):
     rows = storage_rows(plan)
     shown = rows if max_rows is None else rows[:max_rows]
     t = Table(title=f"parameter storage ({len(plan.storage)} parameters)", title_justify="left",
-              caption=None if len(shown) == len(rows) else f"{len(rows) - len(shown)} more rows not shown (--all, "
-                                                          f"or summary(expand=True), shows all)", caption_justify="left")
+              caption=None if len(shown) == len(rows) else
+              f"{len(rows) - len(shown)} more rows not shown ({(hints or PY_HINTS)['all']} shows all)",
+              caption_justify="left")
     for col in ("parameter", "placements", "per device", "layers"):
         t.add_column(col)
     for name, pl, copies in shown:
@@ -348,9 +386,39 @@ def memory_table(plan):
     return t
 
 
-def diff_text(d, max_rows: int = 100, width: int = 160) -> str:
+def node_label(plan_or_names, name: str) -> str:
+    """A node's name, with the parameter it holds where the plan knows it: "primals_3 (h.0.attn.weight)"."""
+    names = plan_or_names if isinstance(plan_or_names, dict) else getattr(plan_or_names, "param_names", {}) or {}
+    return f"{name} ({names[name]})" if name in names else name
+
+
+@dataclass
+class DiffRow:
+    change: object       # NodeChange of the first layer the row stands for
+    layers: list         # the layers whose node changed alike; empty outside repeated blocks
+    impact: float        # seconds the step changes by through these nodes, all copies (b - a)
+
+
+def diff_rows(d) -> list[DiffRow]:
+    """The changed nodes, alike changes in different layers folded into one row, ranked by how
+    much they move the step time (largest first); among equals, a recompute flip (it moves memory)
+    first, computing nodes before placeholders, then graph order."""
+    rows: dict[tuple, DiffRow] = {}
+    seen: dict[tuple, int] = {}
+    for c in d.nodes:
+        alike = (c.phase, c.op, c.a, c.b, c.recompute_a, c.recompute_b, round(c.time_a, 12), round(c.time_b, 12))
+        # the k-th such change in one layer pairs with the k-th in each other layer
+        k = seen[(c.layer, alike)] = seen.get((c.layer, alike), -1) + 1
+        row = rows.setdefault((c.name,) if c.layer is None else (alike, k), DiffRow(c, [], 0.0))
+        row.layers += [] if c.layer is None else [c.layer]
+        row.impact += c.time_b - c.time_a
+    order = {id(r): i for i, r in enumerate(rows.values())}
+    flips = lambda r: r.change.recompute_a != r.change.recompute_b  # noqa: E731  a recompute flip moves memory
+    return sorted(rows.values(), key=lambda r: (-abs(r.impact), not flips(r), r.change.phase == "input", order[id(r)]))
+
+
+def diff_text(d, max_rows: int = 100, width: int = 160, hints: dict | None = None) -> str:
     from rich.markup import escape
-    from rich.table import Table
 
     def delta(pair, fmt):
         a, b = pair
@@ -363,34 +431,67 @@ def diff_text(d, max_rows: int = 100, width: int = 160) -> str:
     for label, pair, fmt in (("step time", d.step_time, fmt_time), ("compute", d.compute_time, fmt_time),
                              ("communication", d.comm_time, fmt_time), ("peak memory", d.peak_memory, fmt_bytes)):
         console.print(f"  {label}: {delta(pair, fmt)}")
-    for k, pair in d.memory.items():
+    # the memory parts that moved, largest move first
+    for k, pair in sorted(d.memory.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])):
         if pair[0] != pair[1]:
             console.print(f"  memory {k}: {delta(pair, fmt_bytes)}")
     if d.identical:
         console.print("the plans make the same decisions")
-        return console.export_text()
-    t = Table(title=f"{len(d.nodes)} nodes decided differently", title_justify="left")
-    for col in ("node", "op", "a", "b", "recompute a -> b"):
-        t.add_column(col)
-    for c in d.nodes[:max_rows]:
-        rc = f"{c.recompute_a} -> {c.recompute_b}" if c.recompute_a != c.recompute_b else ""
-        t.add_row(escape(c.name), escape(short_op(c.op)), escape(c.a), escape(c.b), rc)
-    console.print(t)
-    if len(d.nodes) > max_rows:
-        console.print(f"... and {len(d.nodes) - max_rows} more (PlanDiff.nodes has them all)")
+        return export(console)
+    rows = diff_rows(d)
+    if rows:
+        console.print(_diff_table(d, rows[:max_rows], len(rows)))
+    if len(rows) > max_rows:
+        more = len(rows) - max_rows
+        console.print(f"... and {more} more row{'s' if more > 1 else ''} ({(hints or PY_HINTS)['diff_more']})")
     if d.storage:
-        s = Table(title=f"{len(d.storage)} parameters stored differently", title_justify="left")
-        for col in ("parameter", "a", "b"):
-            s.add_column(col)
-        for k, (a, b) in d.storage.items():
-            s.add_row(escape(k), escape(str(a)), escape(str(b)))
-        console.print(s)
+        console.print(_storage_diff_table(d, max_rows, hints))
     for label, names in (("only in a", d.only_in_a), ("only in b", d.only_in_b)):
         if names:
             more = " ..." if len(names) > 20 else ""
             console.print(escape(f"{len(names)} nodes {label}: {', '.join(names[:20])}{more}"))
-    return console.export_text()
+    return export(console)
 
+
+def _diff_table(d, rows: list[DiffRow], total: int):
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=f"{len(d.nodes)} nodes decided differently ({total} rows, alike layers folded), "
+                    "largest change to the step time first", title_justify="left")
+    for col in ("node", "layers", "op", "a", "b", "recompute a -> b", "time a -> b (per node)", "step change"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        c = r.change
+        rc = f"{c.recompute_a} -> {c.recompute_b}" if c.recompute_a != c.recompute_b else ""
+        layers = "" if not r.layers else (str(r.layers[0]) if len(r.layers) == 1 else
+                                           f"{_ranges(sorted(r.layers))} x {len(r.layers)}")
+        name = f"{c.name} ({c.param})" if c.param else c.name
+        t.add_row(escape(name), layers, escape(short_op(c.op)), escape(c.a), escape(c.b), rc,
+                  f"{fmt_time(c.time_a)} -> {fmt_time(c.time_b)}",
+                  ("+" if r.impact >= 0 else "-") + fmt_time(abs(r.impact)))
+    return t
+
+
+def _storage_diff_table(d, max_rows: int, hints: dict | None):
+    """Parameters stored differently, alike layers folded and in order as in the storage table."""
+    from types import SimpleNamespace
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    pairs = {k: f"{a} -> {b}" for k, (a, b) in d.storage.items()}
+    rows = storage_rows(SimpleNamespace(storage=pairs))
+    more = len(rows) - max_rows
+    s = Table(title=f"{len(d.storage)} parameters stored differently", title_justify="left",
+              caption=f"{more} more rows not shown ({(hints or PY_HINTS)['diff_more']})" if more > 0 else None,
+              caption_justify="left")
+    for col in ("parameter", "a", "b", "layers"):
+        s.add_column(col, overflow="fold")
+    for name, change, copies in rows[:max_rows]:
+        a, b = change.split(" -> ", 1)
+        s.add_row(escape(name), escape(a), escape(b), f"x{copies}" if copies > 1 else "")
+    return s
 
 
 def gaps_table(plan):

@@ -17,248 +17,14 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
+from autoshard.cluster.presets import LOOPBACK, PRESETS, cpu_device
+from autoshard.cluster.specs import COLLECTIVES, SCHEMA, DeviceSpec, LinkSpec, is_count
 from autoshard.errors import ClusterError
-
-SCHEMA = 1
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-OPTIMIZERS = ("foreach", "fused", "for-loop")   # DeviceSpec.optimizer: torch's AdamW implementations
-GiB = 2**30
-
-
-_RANGES = {
-    "positive": (lambda v: 0 < v < math.inf, "a positive finite number"),
-    "nonnegative": (lambda v: 0 <= v < math.inf, ">= 0"),
-    "fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-}
-
-
-def _check(who: str, what: str, value: object, kind: str) -> float:
-    test, wording = _RANGES[kind]
-    # NaN fails every comparison, so it is rejected here instead of poisoning every cost later.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not test(value):
-        raise ClusterError(f"{who}: {what} must be {wording}, got {value!r}")
-    return float(value)
-
-
-def _validate(spec: object, **kinds: str) -> None:
-    """Range-check the named fields of a frozen spec and store them as floats, so 40e9 and
-    40_000_000_000 (the same hardware) give the same JSON and compare equal."""
-    who = f"{type(spec).__name__} {getattr(spec, 'name')!r}"
-    for name, kind in kinds.items():
-        object.__setattr__(spec, name, _check(who, name, getattr(spec, name), kind))
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator (or one CPU process). Rates are vendor-sheet peaks; the efficiency
-    fields turn them into achievable rates, so the sheet numbers stay recognisable.
-
-    peak_flops: dense FLOP/s by dtype key ("float32", "tf32", "bfloat16", "float16", optionally
-    "float64"); "float32" is required, since it is the fallback for every other dtype.
-    compute_efficiency: large GEMMs reach ~60-80% of peak (docs/cost_model.md); 0.7 is the middle.
-    memory_efficiency: streaming kernels reach ~80% of HBM bandwidth.
-    usable_fraction: the CUDA context, allocator fragmentation and library workspaces take the rest.
-    launch_overhead: the floor of any kernel, however small (launch + sync), in seconds.
-    comm_overlap: the fraction of a block's compute time behind which its parameter gathers and
-    gradient reductions can hide (1: GPUs run NCCL on their own streams and the runtime prefetches;
-    0: every collective waits in line, as gloo on CPU processes does).
-    optimizer: how the training step's ``torch.optim.AdamW`` runs here, which sets the optimizer
-    step's time and temporaries (autoshard/costmodel.py, solver/memory.py): "foreach" (torch's
-    default on CUDA: each of its ops over every parameter at once, a pass through memory each, and
-    a temporary the size of the parameters), "fused" (``AdamW(fused=True)``: one kernel, no
-    temporary) or "for-loop" (torch's default on CPU, ``foreach=False``: parameter by parameter).
-    The vendor presets' GPUs say "foreach"; a spec says "for-loop" unless told, as a CPU's does.
-    """
-
-    name: str
-    peak_flops: dict[str, float] = field(hash=False)  # a dict is unhashable; the rest still hashes
-    memory_bandwidth: float
-    memory: float
-    usable_fraction: float = 0.9
-    compute_efficiency: float = 0.7
-    memory_efficiency: float = 0.8
-    launch_overhead: float = 5e-6
-    comm_overlap: float = 1.0
-    optimizer: str = "for-loop"
-
-    def __post_init__(self) -> None:
-        who = f"DeviceSpec {self.name!r}"
-        if self.optimizer not in OPTIMIZERS:
-            raise ClusterError(f"{who}: optimizer must be one of {', '.join(map(repr, OPTIMIZERS))} (how torch runs "
-                               f"AdamW: torch's default on CUDA, fused=True, or foreach=False), got {self.optimizer!r}")
-        if not isinstance(self.peak_flops, dict) or "float32" not in self.peak_flops:
-            raise ClusterError(f"{who}: peak_flops must be a dict with at least a 'float32' entry "
-                               f"(FLOP/s), got {self.peak_flops!r}")
-        # Copy so a caller mutating their dict cannot change a frozen spec behind its back.
-        object.__setattr__(self, "peak_flops", {
-            k: _check(who, f"peak_flops[{k!r}]", v, "positive") for k, v in self.peak_flops.items()})
-        _validate(self, memory_bandwidth="positive", memory="positive", usable_fraction="fraction",
-                  compute_efficiency="fraction", memory_efficiency="fraction", launch_overhead="nonnegative",
-                  comm_overlap="share")
-
-    def flops(self, dtype: torch.dtype | str) -> float:
-        """Peak FLOP/s for ``dtype``. float32 uses the "float32" entry, not "tf32": TF32 is opt-in
-        in PyTorch (``torch.backends.cuda.matmul.allow_tf32``), so pass "tf32" to ask for it.
-        A dtype without an entry (integers, float64 on GPU presets, fp8) runs at the float32 rate."""
-        key = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-        return self.peak_flops.get(key, self.peak_flops["float32"])
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """The link one mesh dimension communicates over.
-
-    latency: alpha, seconds per ring step. bandwidth: bytes/s per rank, each way (half the
-    "bidirectional" figure vendors print). efficiency: NCCL's bus bandwidth reaches ~70-85% of
-    the link rate (docs/cost_model.md), so 0.8.
-    """
-
-    name: str
-    latency: float
-    bandwidth: float
-    efficiency: float = 0.8
-
-    def __post_init__(self) -> None:
-        _validate(self, latency="nonnegative", bandwidth="positive", efficiency="fraction")
-
-    @property
-    def effective_bandwidth(self) -> float:
-        return self.bandwidth * self.efficiency
-
-
-# --- presets ---------------------------------------------------------------------------------
-class Preset(NamedTuple):
-    device: DeviceSpec
-    intra: LinkSpec  # the "gpu" mesh dim
-    inter: LinkSpec  # the "node" mesh dim
-    gpus_per_node: int
-    description: str
-
-
-# NVIDIA A100 Tensor Core GPU data sheet (SXM4): 312 TF bf16/fp16, 156 TF tf32, 19.5 TF fp32 dense;
-# 40GB at 1,555 GB/s, 80GB at 2,039 GB/s. Memory in sheet GB (1e9); usable_fraction absorbs the rest.
-_A100_FLOPS = {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12}
-A100_40GB = DeviceSpec("A100 SXM 40GB", _A100_FLOPS, memory_bandwidth=1.555e12, memory=40e9, optimizer="foreach")
-A100_80GB = DeviceSpec("A100 SXM 80GB", _A100_FLOPS, memory_bandwidth=2.039e12, memory=80e9, optimizer="foreach")
-# NVIDIA H100 / H200 data sheets (SXM): 989 TF bf16/fp16, 494 TF tf32, 67 TF fp32 dense;
-# H100 80GB at 3.35 TB/s, H200 141GB at 4.8 TB/s.
-_H100_FLOPS = {"float32": 67e12, "tf32": 494e12, "bfloat16": 989e12, "float16": 989e12}
-# torch's AdamW on CUDA runs foreach (DeviceSpec.optimizer)
-H100 = DeviceSpec("H100 SXM", _H100_FLOPS, memory_bandwidth=3.35e12, memory=80e9, optimizer="foreach")
-H200 = DeviceSpec("H200 SXM", _H100_FLOPS, memory_bandwidth=4.8e12, memory=141e9, optimizer="foreach")
-
-# NVLink 3 via NVSwitch: 600 GB/s per GPU both directions (A100 sheet) = 300 GB/s each way.
-NVLINK3 = LinkSpec("NVLink 3", latency=3e-6, bandwidth=300e9)
-# NVLink 4 via NVSwitch: 900 GB/s per GPU both directions (H100/H200 sheets) = 450 GB/s each way.
-NVLINK4 = LinkSpec("NVLink 4", latency=3e-6, bandwidth=450e9)
-# DGX A100 user guide: one ConnectX-6 200 Gb/s HDR NIC per GPU = 25 GB/s per GPU each way.
-IB_HDR = LinkSpec("IB HDR", latency=8e-6, bandwidth=25e9)
-# DGX H100 user guide: one ConnectX-7 400 Gb/s NDR NIC per GPU = 50 GB/s per GPU each way.
-IB_NDR = LinkSpec("IB NDR", latency=8e-6, bandwidth=50e9)
-# NERSC Perlmutter docs: 4 HPE Slingshot-11 NICs per GPU node, 200 Gb/s each = 25 GB/s per GPU.
-SLINGSHOT11 = LinkSpec("Slingshot-11", latency=8e-6, bandwidth=25e9)
-# Perlmutter's 4 A100s have no NVSwitch: 4 NVLink-3 links join each pair (NERSC docs), 12 links x
-# 25 GB/s = 300 GB/s each way per GPU, which NCCL spreads over several rings.
-NVLINK3_P2P = LinkSpec("NVLink 3 (4-GPU mesh)", latency=3e-6, bandwidth=300e9)
-
-
-def cpu_device(procs_per_node: int = 2) -> DeviceSpec:
-    """One CPU process on a small x86 host (this machine: 2 cores, ~24 GiB). Rough, meant to be
-    replaced by ``Cluster.calibrate()``: ~50 GFLOP/s fp32 per core with AVX2 FMA, float64 at half
-    rate (half the SIMD lanes), bf16/fp16 fall back to the fp32 rate (converted to fp32 without AMX);
-    ~10 GB/s of DRAM bandwidth per process; host memory split evenly between the processes;
-    ~10 us per eager op dispatch; AdamW parameter by parameter (torch's default on CPU)."""
-    return DeviceSpec("cpu", {"float32": 50e9, "float64": 25e9}, memory_bandwidth=10e9,
-                      memory=24 * GiB / procs_per_node, launch_overhead=10e-6, comm_overlap=0.0,
-                      optimizer="for-loop")
-
-
-# gloo over loopback TCP: ~50 us per message round, ~1-2 GB/s. The rate is already an achieved
-# one (not a wire rate), hence efficiency 1.
-LOOPBACK = LinkSpec("loopback (gloo)", latency=50e-6, bandwidth=1.5e9, efficiency=1.0)
-# Between CPU hosts: gloo over 10 GbE = 1.25 GB/s wire rate; TCP round trips ~100 us. A guess.
-ETHERNET_10G = LinkSpec("10GbE (gloo)", latency=100e-6, bandwidth=1.25e9)
-
-PRESETS: dict[str, Preset] = {
-    "dgx-a100-40gb": Preset(A100_40GB, NVLINK3, IB_HDR, 8, "DGX A100: 8x A100-40GB, NVSwitch, 8x HDR IB"),
-    "dgx-a100-80gb": Preset(A100_80GB, NVLINK3, IB_HDR, 8, "DGX A100: 8x A100-80GB, NVSwitch, 8x HDR IB"),
-    "dgx-h100": Preset(H100, NVLINK4, IB_NDR, 8, "DGX H100: 8x H100 SXM, NVSwitch, 8x NDR IB"),
-    "hgx-h200": Preset(H200, NVLINK4, IB_NDR, 8, "HGX H200: 8x H200 SXM, NVSwitch, 8x NDR IB"),
-    "perlmutter": Preset(A100_40GB, NVLINK3_P2P, SLINGSHOT11, 4,
-                         "NERSC Perlmutter GPU node: 4x A100-40GB, NVLink 3, 4x Slingshot-11"),
-    "cpu": Preset(cpu_device(2), LOOPBACK, ETHERNET_10G, 2, "this machine: 2 CPU processes, gloo"),
-}
-
-
-# --- memory formulas (docs/cost_model.md) ------------------------------------------------------------
-# Bytes per parameter of training state, by precision: the parameter as the model computes with
-# it, its gradient, and the fp32 master copy that mixed precision keeps (fp32 training has none).
-_STATE_BYTES = {"fp32": {"params": 4, "grads": 4, "master": 0},
-                "bf16-mixed": {"params": 2, "grads": 2, "master": 4}}
-# Optimizer state per parameter, kept in fp32: Adam/AdamW two moments, SGD with momentum one.
-_OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4}
-
-
-def training_state_bytes(num_params: float, precision: str = "fp32", optimizer: str = "adam", *,
-                         fp32_grads: bool = False, breakdown: bool = False) -> float | dict[str, float]:
-    """Bytes of parameters + gradients + master weights + optimizer state for ``num_params``
-    parameters, unsharded (divide by the shards of a ZeRO/FSDP placement). Per parameter::
-
-        fp32 training, Adam           4 param + 4 grad + 8 moments               = 16
-        bf16 mixed precision, Adam    2 param + 2 grad + 4 fp32 master + 8 moments = 16
-
-    ``fp32_grads``: gradients kept/reduced in fp32 under mixed precision (+2 bytes).
-    ``breakdown``: a dict {params, grads, master, optimizer, total} instead of the total.
-
-    >>> training_state_bytes(6.74e9, "bf16-mixed") / 1e9   # Llama-2 7B with AdamW: ~108 GB
-    107.84
-    """
-    if precision not in _STATE_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(_STATE_BYTES)}")
-    if optimizer not in _OPTIMIZER_BYTES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(_OPTIMIZER_BYTES)}")
-    if num_params < 0:
-        raise ValueError(f"num_params must be >= 0, got {num_params}")
-    per = dict(_STATE_BYTES[precision], optimizer=_OPTIMIZER_BYTES[optimizer])
-    if fp32_grads:
-        per["grads"] = 4
-    parts = {k: float(v * num_params) for k, v in per.items()}
-    parts["total"] = sum(parts.values())
-    return parts if breakdown else parts["total"]
-
-
-def transformer_activation_bytes(hidden: int, heads: int, seq: int, batch: int, layers: int, *,
-                                 recompute: bool = False, fused_attention: bool = False) -> float:
-    """Activations a transformer saves for backward, 16-bit, no tensor/sequence parallelism
-    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-    eq. 1; docs/cost_model.md). Per layer, per token::
-
-        34 h + 5 a s     bytes   (h hidden, a heads, s sequence length)
-        34 h             with fused attention (flash attention recomputes the a*s*s scores)
-         2 h             with full recompute (only each layer's input is kept)
-
-    times ``seq * batch * layers``. Counts the layers only, not embeddings or the loss.
-    """
-    for name, v in (("hidden", hidden), ("heads", heads), ("seq", seq), ("batch", batch), ("layers", layers)):
-        if not _is_count(v):
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if recompute:
-        per_token = 2 * hidden
-    else:
-        per_token = 34 * hidden + (0 if fused_attention else 5 * heads * seq)
-    return float(per_token * seq * batch * layers)
-
 
 def calibration_path() -> Path:
     """Where :meth:`Cluster.local` looks for saved calibration: $AUTOSHARD_CALIBRATION, else
@@ -287,7 +53,7 @@ class Cluster:
         if not shape:
             raise ClusterError("mesh_shape is empty; give at least one dimension, e.g. (world_size,)")
         for size in shape:
-            if not _is_count(size):
+            if not is_count(size):
                 raise ClusterError(f"mesh_shape {shape} has entry {size!r}; every entry must be a "
                                    "positive int (use 1 for a dimension you do not split over)")
         self.mesh_shape: tuple[int, ...] = shape
@@ -329,7 +95,7 @@ class Cluster:
             raise ClusterError(f"levels {levels} do not multiply to the mesh shape {shape}; give, per mesh "
                                "dim, (ranks, LinkSpec) pairs whose ranks multiply to that dim's size")
         self.ranks_per_node = self.world_size if ranks_per_node is None else ranks_per_node
-        if not _is_count(self.ranks_per_node):
+        if not is_count(self.ranks_per_node):
             raise ClusterError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
         if calibration is not None and not isinstance(calibration, dict):
             raise ClusterError(f"calibration must be a dict (JSON-able) or None, got {type(calibration).__name__}")
@@ -341,7 +107,7 @@ class Cluster:
     def local(cls, world_size: int, mesh_shape: Sequence[int] | None = None) -> Cluster:
         """CPU processes on this machine talking over gloo. Uses the saved calibration
         (:func:`calibration_path`) when there is one, else the rough "cpu" defaults."""
-        if not _is_count(world_size):
+        if not is_count(world_size):
             raise ClusterError(f"world_size must be a positive int, got {world_size!r}")
         shape = (world_size,) if mesh_shape is None else tuple(mesh_shape)
         if math.prod(shape) != world_size:
@@ -372,7 +138,7 @@ class Cluster:
         """A vendor-sheet cluster: mesh (nodes, gpus_per_node) named ("node", "gpu")."""
         if name not in PRESETS:
             raise ClusterError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-        if not _is_count(nodes):
+        if not is_count(nodes):
             raise ClusterError(f"nodes must be a positive int, got {nodes!r}")
         p = PRESETS[name]
         return cls((nodes, p.gpus_per_node), ("node", "gpu"), p.device, [p.inter, p.intra],
@@ -383,10 +149,21 @@ class Cluster:
         """Measure the machine of a live process group (default WORLD): matmul FLOP/s, memory
         bandwidth, kernel launch floor, and alpha/beta of every collective per mesh dim by a
         least-squares fit. Call on every rank; all ranks get the same Cluster; ``save`` writes
-        its JSON on rank 0. Details and ``options``: :func:`autoshard.calibrate.calibrate`."""
-        from autoshard.calibrate import calibrate
+        its JSON on rank 0 (then :meth:`local` reads it through ``$AUTOSHARD_CALIBRATION``, or at
+        :func:`calibration_path`). Details and ``options``: :func:`autoshard.cluster.calibrate.measure`."""
+        import torch.distributed as dist
 
-        return calibrate(process_group, save=save, **options)
+        from autoshard.cluster.calibrate import measure
+
+        cluster = cls(**measure(process_group, **options))
+        if save is not None:
+            group = dist.group.WORLD if process_group is None else process_group
+            if dist.get_rank(group) == 0:
+                path = Path(save)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(cluster.to_json())
+            dist.barrier(group=group)  # the file exists on return, on every rank
+        return cluster
 
     def with_mesh(self, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None = None) -> Cluster:
         """Same hardware, another logical mesh (row-major over the ranks, as DeviceMesh lays it

@@ -51,7 +51,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autoshard import _torch
-from autoshard.costmodel import local_shape
+from autoshard.cluster.costmodel import local_shape
 from autoshard.errors import RuntimeMismatchError
 from autoshard.passes.bucket import gather_many, to_storage_many
 

@@ -39,8 +39,8 @@ from autoshard import _torch
 from autoshard.api import compile as compile_plan
 from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, RuntimeMismatchError
-from autoshard.plan import Plan
-from autoshard.runtime import DistributedModule
+from autoshard.planning.plan import Plan
+from autoshard.runtime.module import DistributedModule
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A plan names nodes of the traced joint graph; its ``fingerprint`` (graph) and ``cluster``
 fingerprint tie it to one model, input shapes and cluster, so a plan is never run on another.
-Rendering lives in :mod:`autoshard.report` (text tables) and :mod:`autoshard.report_html` (DOT, HTML); this
+Rendering lives in :mod:`autoshard.report.text` (text tables) and :mod:`autoshard.report.html` (DOT, HTML); this
 module holds the data, its JSON form and the checks on it.
 
 >>> plan = autoshard.plan(model, Cluster.preset("dgx-h100", nodes=2), inputs)   # doctest: +SKIP
@@ -34,6 +34,7 @@ class NodeDecision:
     comm: list[dict] = field(default_factory=list)   # collectives before this node: kind, mesh_dim, bytes, time
     recompute: bool = False        # forward activation recomputed in backward instead of saved
     layer: int | None = None       # which copy of a repeated block the node is in (None: not repeated)
+    module: str | None = None      # path of the module that made it (planning/modules.py); None: unknown
 
 
 @dataclass
@@ -67,6 +68,9 @@ class Plan:
     # "end of backward" or "optimizer step"
     peak_moment: str = ""
     saved_for_backward: float = 0.0   # bytes per device forward saves for backward (all live when it ends)
+    # placeholder node name -> the parameter it holds ("primals_3" -> "h.0.attn.c_attn.weight"), so a
+    # report can name it; empty in plans saved before it was recorded
+    param_names: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:
@@ -151,15 +155,17 @@ class Plan:
 
         return report.summary_text(self, max_rows=None if expand else max_rows, width=width)
 
-    def to_dot(self) -> str:
-        """Graphviz DOT: nodes coloured by output placement, collectives on the edges into
-        their consumer, recomputed nodes dashed."""
-        from autoshard import report_html
+    def to_dot(self, *, aten: bool = False, layer: int | None = None, module: str | None = None) -> str:
+        """Graphviz DOT of the module graph: repeated layers folded into one block, collectives
+        summed on the edges between modules, a badge per mesh dim. ``aten=True`` draws the ATen
+        nodes instead (coloured by output placement, collectives on the edges into their
+        consumer, recomputed nodes dashed); ``layer``/``module`` draw only that part of them."""
+        from autoshard.report import html as report_html
 
-        return report_html.to_dot(self)
+        return report_html.to_dot(self, aten=aten, layer=layer, module=module)
 
     def to_html(self, *, max_rows: int | None = 200) -> str:
-        from autoshard import report_html
+        from autoshard.report import html as report_html
 
         return report_html.to_html(self, max_rows=max_rows)
 
@@ -172,7 +178,9 @@ class Plan:
         """What differs from ``other``: node strategies and recompute marks, parameter storage,
         and the predicted time and memory (``other`` minus ``self``)."""
         mine, theirs = {n.name: n for n in self.nodes}, {n.name: n for n in other.nodes}
-        changed = [NodeChange(n.name, n.op, n.strategy, theirs[n.name].strategy, n.recompute, theirs[n.name].recompute)
+        changed = [NodeChange(n.name, n.op, n.strategy, theirs[n.name].strategy, n.recompute, theirs[n.name].recompute,
+                              _cost(n), _cost(theirs[n.name]), n.phase, n.layer,
+                              self.param_names.get(n.name) or other.param_names.get(n.name))
                    for n in self.nodes if n.name in theirs
                    and (n.strategy, n.recompute) != (theirs[n.name].strategy, theirs[n.name].recompute)]
         keys = list(self.storage) + [k for k in other.storage if k not in self.storage]
@@ -192,6 +200,11 @@ class Plan:
                 f"mesh={self.mesh_shape}, nodes={len(self.nodes)}, fallbacks={len(self.fallbacks)})")
 
 
+def _cost(n: NodeDecision) -> float:
+    """A node's share of the step: its compute (twice if recomputed) and its collectives."""
+    return n.compute * (2 if n.recompute else 1) + sum(c["time"] for c in n.comm)
+
+
 @dataclass
 class NodeChange:
     name: str
@@ -200,6 +213,11 @@ class NodeChange:
     b: str                  # strategy in the second
     recompute_a: bool = False
     recompute_b: bool = False
+    time_a: float = 0.0     # seconds the node costs in the first plan: compute, collectives, recompute
+    time_b: float = 0.0
+    phase: str = ""
+    layer: int | None = None
+    param: str | None = None   # the parameter a placeholder holds, where the plan knows it
 
 
 @dataclass
@@ -281,6 +299,7 @@ def _check_doc(d: dict) -> None:
         _need(isinstance(n.get("comm", []), list), where, "'comm' must be a list")
         _need(isinstance(n.get("recompute", False), bool), where, "'recompute' must be true or false")
         _need(n.get("layer") is None or isinstance(n.get("layer"), int), where, "'layer' must be an int or null")
+        _need(n.get("module") is None or isinstance(n.get("module"), str), where, "'module' must be a string or null")
         for j, c in enumerate(n.get("comm", [])):
             _need(isinstance(c, dict) and isinstance(c.get("kind"), str) and all(
                 _is_num(c.get(k)) for k in ("mesh_dim", "bytes", "time")), f"{where}.comm[{j}]",
@@ -299,6 +318,9 @@ def _check_doc(d: dict) -> None:
     for key in ("memory_limit", "mfu"):
         _need(_is_num(d.get(key), allow_none=True), key, "must be a number or null")
     _need(isinstance(d.get("peak_moment", ""), str), "peak_moment", "must be a string")
+    names = d.get("param_names", {})
+    _need(isinstance(names, dict) and all(isinstance(v, str) for v in names.values()), "param_names",
+          "must map node names to parameter names")
     _need(_is_num(d.get("saved_for_backward", 0.0)), "saved_for_backward", "must be a number")
     if d.get("memory_limit") is not None:
         _need(d["memory_limit"] > 0 and not math.isnan(d["memory_limit"]), "memory_limit", "must be positive")

@@ -7,8 +7,8 @@ returning the mean squared error; ``Llama`` a Llama-style decoder (RMSNorm, rota
 All three trace to the ops a transformer training step needs.
 
 The registry builds these and more by name, tiny (numerics on CPU) or at a real size (planning
-on ``meta``): ResNet-50 (``autoshard.zoo_resnet``) and, from ``transformers`` configs with
-nothing downloaded, GPT-2, Llama 3, BERT, ViT and Mixtral (``autoshard.zoo_hf``)::
+on ``meta``): ResNet-50 (``autoshard.zoo.resnet``) and, from ``transformers`` configs with
+nothing downloaded, GPT-2, Llama 3, BERT, ViT and Mixtral (``autoshard.zoo.hf``)::
 
     >>> zoo.names()
     ['mlp', 'gpt', 'llama', 'resnet50', 'hf_gpt2', 'hf_llama3', 'bert', 'vit', 'mixtral']
@@ -273,7 +273,7 @@ _REAL_SEQ = {"hf_llama3": 8192, "mixtral": 4096, "bert": 512}  # else the config
 
 
 def _hf():
-    from autoshard import zoo_hf  # imports transformers (seconds): only when an HF model is asked for
+    from autoshard.zoo import hf as zoo_hf  # imports transformers (seconds): only when an HF model is asked for
     return zoo_hf
 
 
@@ -307,7 +307,7 @@ def _build(name: str, size: str, dtype: torch.dtype) -> nn.Module:
     if name == "llama":
         return Llama({"tiny": LlamaConfig.tiny, "8b": LlamaConfig.llama3_8b, "70b": LlamaConfig.llama3_70b}[size]())
     if name == "resnet50":
-        from autoshard.zoo_resnet import ResNet, ResNetConfig
+        from autoshard.zoo.resnet import ResNet, ResNetConfig
         return ResNet(ResNetConfig.tiny() if size == "tiny" else ResNetConfig.resnet50())
     return _hf().build(name, size, dtype)
 

@@ -53,13 +53,13 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from autoshard import _torch
-from autoshard.cluster import COLLECTIVES, LOOPBACK, Cluster, DeviceSpec, LinkSpec
+from autoshard.cluster.presets import LOOPBACK
+from autoshard.cluster.specs import COLLECTIVES, DeviceSpec, LinkSpec
 from autoshard.errors import ClusterError
 
 KiB, MiB = 2**10, 2**20
@@ -72,7 +72,7 @@ SAMPLE_S = {"compute": 20e-3, "comm": 5e-3}
 REPEATS = 9
 WARMUP = 3
 
-__all__ = ["calibrate", "fit_line", "link_from_fit", "size_switch_latency", "time_collective", "MESSAGE_SIZES"]
+__all__ = ["measure", "fit_line", "link_from_fit", "size_switch_latency", "time_collective", "MESSAGE_SIZES"]
 
 
 # --- timing --------------------------------------------------------------------------------------
@@ -316,17 +316,55 @@ def _measure_dim(group, p: int, device: torch.device, sizes: Sequence[int], repe
 
 
 # --- calibrate -----------------------------------------------------------------------------------
-def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
-              mesh_shape: Sequence[int] | None = None, mesh_dim_names: Sequence[str] | None = None,
-              message_sizes: Sequence[int] = MESSAGE_SIZES, repeats: int = REPEATS) -> Cluster:
-    """Measure this process group's machine; see the module docstring for what and how.
+def _links(group, shape: tuple[int, ...], names: tuple[str, ...], device: torch.device,
+           message_sizes: Sequence[int], repeats: int) -> tuple[list[LinkSpec], list[dict]]:
+    """Per mesh dim, each collective kind timed on this rank's slice and fitted, every rank taking
+    the slowest slice's times: the link of each dim (its all-reduce fit; a dim of one rank, which
+    never communicates, the slowest measured link) and what was measured, for the JSON."""
+    raw = []
+    for d, sub in enumerate(_dim_groups(group, shape)):
+        raw.append(_measure_dim(sub, shape[d], device, message_sizes, repeats) if shape[d] > 1 else None)
+        if sub is not None and sub is not group:
+            dist.destroy_process_group(sub)
+    flat = [t for r in raw if r for kind in COLLECTIVES for t in [*r[kind]["times"], r[kind]["mixed"]]]
+    flat = iter(_agree(flat, group, device))
+    links, dims = [], []
+    for d, r in enumerate(raw):
+        if r is None:
+            links.append(None)
+            dims.append({"name": names[d], "size": shape[d], "measured": False})
+            continue
+        fits = {}
+        for kind in COLLECTIVES:
+            times = [next(flat) for _ in r[kind]["times"]]
+            mixed = next(flat)
+            fit = fit_line(r[kind]["sizes"], times)
+            switch = size_switch_latency(r[kind]["sizes"], mixed, fit["a"], fit["b"])
+            link = link_from_fit(kind, shape[d], fit["a"] + switch, fit["b"],
+                                 f"calibrated {dist.get_backend(group)} {kind}")
+            fits[kind] = {"sizes": r[kind]["sizes"], "times": times, **fit, "mixed": mixed, "switch": switch,
+                          "latency": link.latency, "bandwidth": link.bandwidth}
+        ar = fits["all_reduce"]
+        links.append(LinkSpec(f"calibrated {dist.get_backend(group)} (p={shape[d]}, all_reduce fit)",
+                              latency=ar["latency"], bandwidth=ar["bandwidth"], efficiency=1.0))
+        dims.append({"name": names[d], "size": shape[d], "measured": True, "fits": fits})
+    measured = [l for l in links if l is not None]
+    spare = min(measured, key=lambda l: l.bandwidth) if measured else LOOPBACK
+    links = [spare if l is None else l for l in links]
+    return links, dims
+
+
+def measure(process_group=None, *, mesh_shape: Sequence[int] | None = None,
+            mesh_dim_names: Sequence[str] | None = None, message_sizes: Sequence[int] = MESSAGE_SIZES,
+            repeats: int = REPEATS) -> dict:
+    """Measure this process group's machine (see the module docstring for what and how): the
+    keyword arguments of the :class:`~autoshard.cluster.cluster.Cluster` that describes it, which
+    :meth:`Cluster.calibrate` builds.
 
     ``process_group``: default WORLD; must be initialized. ``mesh_shape`` (default: one dim of
     the whole group, named "d0" as :meth:`Cluster.local` names it) lays the group's ranks out
     row-major; each dim with more than one rank gets its own measured link, a dim of one rank
-    the slowest measured link (it never communicates). ``save``: rank 0 writes the JSON there
-    (then :meth:`Cluster.local` can read it through ``$AUTOSHARD_CALIBRATION``, or at the
-    default :func:`~autoshard.cluster.calibration_path`). Collective on every rank of the group.
+    the slowest measured link (it never communicates). Collective on every rank of the group.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterError("Cluster.calibrate needs an initialized process group (torch.distributed."
@@ -361,37 +399,7 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
     dtensor = _dtensor_overhead(device, group, launch)
     capacity = _device_memory(device, ranks_per_node, group)
 
-    # Links: per mesh dim, on this rank's slice; then every rank takes the slowest slice's times.
-    raw = []
-    for d, sub in enumerate(_dim_groups(group, shape)):
-        raw.append(_measure_dim(sub, shape[d], device, message_sizes, repeats) if shape[d] > 1 else None)
-        if sub is not None and sub is not group:
-            dist.destroy_process_group(sub)
-    flat = [t for r in raw if r for kind in COLLECTIVES for t in [*r[kind]["times"], r[kind]["mixed"]]]
-    flat = iter(_agree(flat, group, device))
-    links, dims = [], []
-    for d, r in enumerate(raw):
-        if r is None:
-            links.append(None)
-            dims.append({"name": names[d], "size": shape[d], "measured": False})
-            continue
-        fits = {}
-        for kind in COLLECTIVES:
-            times = [next(flat) for _ in r[kind]["times"]]
-            mixed = next(flat)
-            fit = fit_line(r[kind]["sizes"], times)
-            switch = size_switch_latency(r[kind]["sizes"], mixed, fit["a"], fit["b"])
-            link = link_from_fit(kind, shape[d], fit["a"] + switch, fit["b"],
-                                 f"calibrated {dist.get_backend(group)} {kind}")
-            fits[kind] = {"sizes": r[kind]["sizes"], "times": times, **fit, "mixed": mixed, "switch": switch,
-                          "latency": link.latency, "bandwidth": link.bandwidth}
-        ar = fits["all_reduce"]
-        links.append(LinkSpec(f"calibrated {dist.get_backend(group)} (p={shape[d]}, all_reduce fit)",
-                              latency=ar["latency"], bandwidth=ar["bandwidth"], efficiency=1.0))
-        dims.append({"name": names[d], "size": shape[d], "measured": True, "fits": fits})
-    measured = [l for l in links if l is not None]
-    spare = min(measured, key=lambda l: l.bandwidth) if measured else LOOPBACK
-    links = [spare if l is None else l for l in links]
+    links, dims = _links(group, shape, names, device, message_sizes, repeats)
 
     base = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     # gloo on CPU processes: the emitted module waits on each collective where the graph needs
@@ -411,12 +419,5 @@ def calibrate(process_group=None, *, save: str | os.PathLike | None = None,
         "memory_bandwidth": memory, "launch_overhead": launch, "dtensor_op_overhead": dtensor, "mesh_dims": dims,
         "link_is": "the all_reduce fit of each mesh dim; every kind is priced by its own fit",
     }
-    cluster = Cluster(shape, names, spec, links, ranks_per_node=min(ranks_per_node, world),
-                      calibration=calibration)
-    if save is not None:
-        if dist.get_rank(group) == 0:
-            path = Path(save)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(cluster.to_json())
-        dist.barrier(group=group)  # the file exists on return, on every rank
-    return cluster
+    return {"mesh_shape": shape, "mesh_dim_names": names, "device": spec, "links": links,
+            "ranks_per_node": min(ranks_per_node, world), "calibration": calibration}

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 
 from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, ConstraintError, CutoffError, InfeasibleError, SolverError
-from autoshard.roles import allow_for
+from autoshard.planning.roles import allow_for
 
 # the dim names of a pruned 3-D candidate (its outer dim is data parallel; see the rule above)
 DATA_NAMES = ("data", "outer", "inner")
@@ -101,7 +101,7 @@ def candidates(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[str, ...]]
 
 
 def allow_data_outer(traced, allow):
-    """``allow`` and, on the outer dim, data parallelism only (:mod:`autoshard.roles`)."""
+    """``allow`` and, on the outer dim, data parallelism only (:mod:`autoshard.planning.roles`)."""
     data = allow_for(traced, ("data", "free", "free"))
     return data if allow is None else (lambda node, s: allow(node, s) and data(node, s))
 

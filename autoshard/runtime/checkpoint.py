@@ -8,7 +8,7 @@ mesh or world size, resharding on the way. Optimizer state goes through
 parameter name with DTensor values, so it reshards the same way. Every function here is collective:
 call it on every rank. Example (each rank of a process group)::
 
-    import autoshard.checkpoint as ckpt
+    import autoshard.runtime.checkpoint as ckpt
 
     ckpt.save("ckpt/step100", dmodel, opt)          # under the plan it was trained with
     ...                                             # later: another plan, mesh or world size
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.tensor import DTensor
 
 from autoshard.errors import RuntimeMismatchError
-from autoshard.runtime import DistributedModule, check_against
+from autoshard.runtime.module import DistributedModule, check_against
 
 __all__ = ["full_state_dict", "load", "load_full_state_dict", "load_state_dict", "save", "state_dict"]
 

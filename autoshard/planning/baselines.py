@@ -1,12 +1,12 @@
 """Hand-written parallel strategies as constraints on the same ILP, for comparing with the free plan.
 
-Each baseline is a logical mesh (:mod:`autoshard.meshes`) whose dims play *roles*, and an
+Each baseline is a logical mesh (:mod:`autoshard.planning.meshes`) whose dims play *roles*, and an
 ``allow(node, strategy)`` predicate (:func:`autoshard.plan`'s ``allow``) built from those roles.
 The solver, cost model and memory model are the free plan's, so the only difference from the free
 plan is the freedom; within a baseline the solver still picks what the hand strategy leaves open
 (colwise or rowwise per matmul, where activations are resharded), i.e. the baseline at its best.
 
-The roles a mesh dim can play (dp, fsdp, tp, data, free) and what each allows: :mod:`autoshard.roles`.
+The roles a mesh dim can play (dp, fsdp, tp, data, free) and what each allows: :mod:`autoshard.planning.roles`.
 
 The baselines (W devices, G per node, N nodes; grids listed outer dim first, dims of size 1
 dropped):
@@ -25,7 +25,7 @@ dropped):
 Each in two forms: no recompute (``"name"``) and full activation recompute, per layer (each
 repeated layer's inputs saved, everything else recomputed: Megatron's full recomputation)
 (``"name+recompute"``); over its grids the fastest feasible plan is kept. :func:`compare` plans
-them all next to the free plan (``"auto"``: every logical mesh of :func:`autoshard.meshes.candidates`,
+them all next to the free plan (``"auto"``: every logical mesh of :func:`autoshard.planning.meshes.candidates`,
 selective recompute); an infeasible baseline maps to its :class:`InfeasibleError`. Any of the
 plans runs with ``autoshard.compile(model, cluster, inputs, plan=plans[name])``.
 
@@ -43,10 +43,10 @@ from typing import Callable
 
 from autoshard.cluster import Cluster
 from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
-from autoshard.meshes import divisors, failure, near_square, tightened
+from autoshard.planning.meshes import divisors, failure, near_square, tightened
 from autoshard.passes.trace import TracedModel
-from autoshard.plan import Plan
-from autoshard.roles import allow_for
+from autoshard.planning.plan import Plan
+from autoshard.planning.roles import allow_for
 
 RECOMPUTE = {"": False, "+recompute": "full"}
 
@@ -119,7 +119,7 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
     over its grids; ``kwargs`` go to :func:`autoshard.plan`. Raises InfeasibleError when no grid
     fits (or the baseline cannot be expressed on this cluster or batch). ``plan.stats["meshes"]``
     gives each grid's step time (None: no plan) and ``plan.stats["mesh_errors"]`` why
-    (:func:`autoshard.meshes.failure`; "time_limit": that grid was not priced; "slower": solved
+    (:func:`autoshard.planning.meshes.failure`; "time_limit": that grid was not priced; "slower": solved
     with the best grid's objective as cutoff, and proven no faster).
 
     ``_solved`` (:func:`compare`'s, for calls with the same model, cluster and ``kwargs``) holds

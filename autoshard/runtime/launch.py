@@ -5,7 +5,7 @@ hangs the caller: every child is reaped and :class:`DistributedRunError` says wh
 failed and why. Example::
 
     import torch, torch.distributed as dist
-    from autoshard.launch import run_local
+    from autoshard.runtime.launch import run_local
 
     def job(scale):                     # module level, so spawn children can import it
         t = torch.tensor([float(dist.get_rank() + 1)])
