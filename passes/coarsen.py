@@ -76,7 +76,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free
-from autoshard.passes.strategies import META_KEY, args_key, tensor_inputs, value_of
+from autoshard.passes.graph import META_KEY, args_key, tensor_inputs, value_of
 
 LAYER_KEY = "autoshard.layer"
 FOLLOW_KEY = "autoshard.follows"

@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.errors import CoverageGapError
-from autoshard.passes.strategies import META_KEY as STRATEGIES, output_options, tensor_inputs, value_of
+from autoshard.passes.graph import META_KEY as STRATEGIES, output_options, tensor_inputs, value_of
 
 META_KEY = "autoshard.coverage"
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch
-from autoshard.passes.strategies import picked_output, placements_through, tensor_inputs
+from autoshard.passes.dtensor_rules import placements_through
+from autoshard.passes.graph import picked_output, tensor_inputs
 
 META_KEY = "autoshard.region"
 
@@ -56,7 +58,7 @@ class TokenLocal:
     region: int                      # index of the region (one per MoE layer's sort)
     seed: str                        # the name of that sort
     outputs: tuple                   # per tensor output: its placement on a token-split mesh dim
-    inputs: tuple                    # per tensor input (strategies.tensor_inputs order)
+    inputs: tuple                    # per tensor input (graph.tensor_inputs order)
     local: bool                      # run on local tensors (True) or through DTensor's rule (False)
 
     @property
@@ -171,110 +173,166 @@ def _buffer_fact(buf: fx.Node, rid: int, seed: str, st) -> TokenLocal:
     return TokenLocal(rid, seed, (Shard(0),), (Shard(s.axis) if isinstance(s, _Local) else Shard(0),), True)
 
 
-def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict) -> tuple[list, TokenLocal]:
-    t = node.target
-    S0, R = Shard(0), Replicate()
+_Judged = tuple[list, TokenLocal]   # the states of a node's outputs, and its fact
 
-    def local(order, axis=0, values="plain", rows=0):
-        return _Local(rid, order, axis, values, rows)
 
-    def fact(outputs, inputs, runs_local):
-        return TokenLocal(rid, seed, outputs, inputs, runs_local)
+@dataclass(frozen=True)
+class _Judge:
+    """What judging one node of a region reads and writes: the region, the name of its sort, the
+    state of each tensor so far (``st``) and the facts, which a scatter extends with its
+    buffer's."""
+    rid: int
+    seed: str
+    st: Callable[[object], object]
+    facts: dict
 
-    def rows(a: fx.Node) -> int:
-        return _val(a).shape[0]
+    def local(self, order: str, axis: int = 0, values: str = "plain", rows: int = 0) -> _Local:
+        return _Local(self.rid, order, axis, values, rows)
 
+    def fact(self, outputs: tuple, inputs: tuple, runs_local: bool) -> TokenLocal:
+        return TokenLocal(self.rid, self.seed, outputs, inputs, runs_local)
+
+
+def _rows(a: fx.Node) -> int:
+    return _val(a).shape[0]
+
+
+def _is_local(s, order: str | None = None, values: str | None = None, axis: int | None = None) -> bool:
+    """Whether state ``s`` is region rows with the given order, values and token axis (None: any)."""
+    return isinstance(s, _Local) and order in (None, s.order) and values in (None, s.values) \
+        and axis in (None, s.axis)
+
+
+def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict) -> _Judged:
+    """How ``node``, touching region ``rid``, keeps what its tensors mean; raises _Invalid where
+    it cannot."""
+    t, j = node.target, _Judge(rid, seed, st, facts)
     if t in _BUFFERS:
         if len(node.users) != 1 or next(iter(node.users)).target is not aten.index_put.default:
             raise _Invalid("a new tensor from routed rows that is not a scatter's buffer")
         return [_Buffer(rid)], _buffer_fact(node, rid, seed, st)
     if any(isinstance(st(a), _Buffer) for a in ins) and t is not aten.index_put.default:
         raise _Invalid("reads a scatter's buffer")
-    if t is aten.floor_divide.default and isinstance(st(ins[0]), _Local) and st(ins[0]).values == "tok" \
-            and len(ins) == 1:
-        s, c = st(ins[0]), node.args[1]
-        if not isinstance(c, int) or c <= 0 or s.rows % c:
-            raise _Invalid("divides token positions by something other than a whole group size")
-        # route positions // top_k: the token of each route (routes of a token are adjacent)
-        return [local(s.order, s.axis, "tok", s.rows // c)], fact((Shard(s.axis),), (Shard(s.axis),), False)
+    if t is aten.floor_divide.default and _is_local(st(ins[0]), values="tok") and len(ins) == 1:
+        return _route_tokens(node, st(ins[0]), j)
     if t is aten._to_copy.default and isinstance(st(ins[0]), _Local):
         s = st(ins[0])
-        return [s], fact((Shard(s.axis),), (Shard(s.axis),), False)
+        return [s], j.fact((Shard(s.axis),), (Shard(s.axis),), False)
     if t is aten.histc.default:
-        s = st(ins[0])
-        if not (isinstance(s, _Local) and s.order == "sorted" and s.values == "plain" and s.axis == 0):
-            raise _Invalid("counts something other than the sorted expert ids")
-        lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
-        hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
-        if not lo < hi:   # a range taken from the data would differ from rank to rank
-            raise _Invalid("counts over a range taken from the data (give histc its min and max)")
-        return [_Table(rid)], fact((R,), (S0,), True)
+        return _counts(node, st(ins[0]), j)
     if t is aten.cumsum.default:
         if not isinstance(st(ins[0]), _Table):
             raise _Invalid("cumsum of a routed tensor")
-        return [_Table(rid)], fact((R,), (R,), True)
+        return [_Table(rid)], j.fact((Replicate(),), (Replicate(),), True)
     if t is aten.index.Tensor:
-        x, idx = node.args[0], node.args[1]
-        if len(idx) != 1 or not isinstance(idx[0], fx.Node):
-            raise _Invalid("indexes more than one dim")
-        sx, si = st(x), st(idx[0])
-        if sx is None and isinstance(si, _Local) and si.order == "sorted" and si.values == "tok" and \
-                rows(x) == si.rows:
-            return [local("sorted")], fact((S0,), (S0, S0), True)  # gather into local order
-        if isinstance(sx, _Local) and sx.order == "sorted" and sx.axis == 0 and sx.values == "plain" and \
-                isinstance(si, _Local) and si.order == "token" and si.values == "pos" and rows(x) == si.rows:
-            return [None], fact((S0,), (S0, S0), True)   # back to token order: a shard
-        raise _Invalid("a gather that is neither into local order nor back to token order")
+        return _gather(node, j)
     if t is aten.index_put.default:
-        buf, idx, vals = node.args[0], node.args[1], node.args[2]
-        acc = (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
-        if len(idx) != 1 or not isinstance(idx[0], fx.Node):
-            raise _Invalid("scatters on more than one dim")
-        if buf.target not in _BUFFERS or len(buf.users) != 1:
-            raise _Invalid(f"scatters into {buf.name}, not a fresh buffer")
-        if not acc and buf.target is not aten.empty_like.default:
-            raise _Invalid("overwrites part of an existing tensor")
-        if acc and buf.target not in (aten.new_zeros.default, aten.zeros_like.default):
-            raise _Invalid("accumulates into a tensor that is not fresh zeros")
-        si, sv = st(idx[0]), st(vals)
-        iota = (vals.target is aten.arange.default and len(vals.args) == 1 and len(vals.users) == 1
-                and not acc and isinstance(si, _Local) and si.values == "tok" and vals.args[0] == rows(idx[0]))
-        if isinstance(si, _Local) and si.order == "sorted" and si.values == "tok" and rows(node) == si.rows:
-            if iota:     # out[perm[i]] = i: the inverse permutation (local sorted positions)
-                facts[vals] = fact((S0,), (), True)
-                out = local("token", 0, "pos", rows(idx[0]))
-            elif isinstance(sv, _Local) and sv.order == "sorted" and sv.axis == 0 and sv.values == "plain":
-                out = None        # back to token order: a shard
-            else:
-                raise _Invalid("scatters values that are not in local order")
-        elif isinstance(si, _Local) and si.order == "token" and si.values == "pos" and sv is None and \
-                rows(node) == si.rows:
-            out = local("sorted")  # token-order rows into local order (a gather's backward)
-        else:
-            raise _Invalid("a scatter by something other than the sort's permutation")
-        facts[buf] = _buffer_fact(buf, rid, seed, st)
-        return [out], fact((S0,), (S0, S0, S0), True)
+        return _scatter(node, j)
     if t is aten._grouped_mm.default:
-        a, b = node.args[0], node.args[1]
-        offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
-        if not isinstance(st(offs), _Table):
-            raise _Invalid("a grouped GEMM whose offsets are not the region's counts")
-        sa, sb = st(a), st(b)
-        if isinstance(sa, _Local) and sa.axis == 0 and sa.order == "sorted" and sb is None and _val(b).ndim == 3:
-            return [local("sorted")], fact((S0,), (S0, R, R), True)
-        if isinstance(sa, _Local) and sa.axis == 1 and isinstance(sb, _Local) and sb.axis == 0:
-            return [None], fact((Partial(),), (Shard(1), S0, R), True)  # a sum over tokens
-        raise _Invalid("a grouped GEMM over rows that are not the region's")
-    # anything else must be row-wise: DTensor's rule carries the token axis through it
-    if torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()):
+        return _grouped_mm(node, j)
+    return _row_wise(node, ins, mesh1, j)
+
+
+def _route_tokens(node: fx.Node, s: _Local, j: _Judge) -> _Judged:
+    """Route positions // top_k: the token of each route (routes of a token are adjacent)."""
+    c = node.args[1]
+    if not isinstance(c, int) or c <= 0 or s.rows % c:
+        raise _Invalid("divides token positions by something other than a whole group size")
+    return [j.local(s.order, s.axis, "tok", s.rows // c)], j.fact((Shard(s.axis),), (Shard(s.axis),), False)
+
+
+def _counts(node: fx.Node, s, j: _Judge) -> _Judged:
+    """``histc`` of the sorted expert ids: the rank's own per-expert counts."""
+    if not _is_local(s, "sorted", "plain", 0):
+        raise _Invalid("counts something other than the sorted expert ids")
+    lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
+    hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
+    if not lo < hi:   # a range taken from the data would differ from rank to rank
+        raise _Invalid("counts over a range taken from the data (give histc its min and max)")
+    return [_Table(j.rid)], j.fact((Replicate(),), (Shard(0),), True)
+
+
+def _gather(node: fx.Node, j: _Judge) -> _Judged:
+    """``x[idx]``: into local order by the sort's token positions, or back to token order by the
+    sorted positions."""
+    x, idx = node.args[0], node.args[1]
+    if len(idx) != 1 or not isinstance(idx[0], fx.Node):
+        raise _Invalid("indexes more than one dim")
+    sx, si = j.st(x), j.st(idx[0])
+    S0 = Shard(0)
+    if sx is None and _is_local(si, "sorted", "tok") and _rows(x) == si.rows:
+        return [j.local("sorted")], j.fact((S0,), (S0, S0), True)  # gather into local order
+    if _is_local(sx, "sorted", "plain", 0) and _is_local(si, "token", "pos") and _rows(x) == si.rows:
+        return [None], j.fact((S0,), (S0, S0), True)   # back to token order: a shard
+    raise _Invalid("a gather that is neither into local order nor back to token order")
+
+
+def _check_scatter(buf: fx.Node, idx, acc: bool) -> None:
+    """A scatter into anything but a fresh buffer of its own would mix in what the buffer held,
+    which differs between the rank's own rows and the global ones."""
+    if len(idx) != 1 or not isinstance(idx[0], fx.Node):
+        raise _Invalid("scatters on more than one dim")
+    if buf.target not in _BUFFERS or len(buf.users) != 1:
+        raise _Invalid(f"scatters into {buf.name}, not a fresh buffer")
+    if not acc and buf.target is not aten.empty_like.default:
+        raise _Invalid("overwrites part of an existing tensor")
+    if acc and buf.target not in (aten.new_zeros.default, aten.zeros_like.default):
+        raise _Invalid("accumulates into a tensor that is not fresh zeros")
+
+
+def _scatter(node: fx.Node, j: _Judge) -> _Judged:
+    """``index_put`` into a fresh buffer: the inverse permutation, rows back to token order, or
+    token-order rows into local order."""
+    buf, idx, vals = node.args[0], node.args[1], node.args[2]
+    acc = (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
+    _check_scatter(buf, idx, acc)
+    si, sv = j.st(idx[0]), j.st(vals)
+    S0 = Shard(0)
+    iota = (vals.target is aten.arange.default and len(vals.args) == 1 and len(vals.users) == 1
+            and not acc and _is_local(si, values="tok") and vals.args[0] == _rows(idx[0]))
+    if _is_local(si, "sorted", "tok") and _rows(node) == si.rows:
+        if iota:     # out[perm[i]] = i: the inverse permutation (local sorted positions)
+            j.facts[vals] = j.fact((S0,), (), True)
+            out = j.local("token", 0, "pos", _rows(idx[0]))
+        elif _is_local(sv, "sorted", "plain", 0):
+            out = None        # back to token order: a shard
+        else:
+            raise _Invalid("scatters values that are not in local order")
+    elif _is_local(si, "token", "pos") and sv is None and _rows(node) == si.rows:
+        out = j.local("sorted")  # token-order rows into local order (a gather's backward)
+    else:
+        raise _Invalid("a scatter by something other than the sort's permutation")
+    j.facts[buf] = _buffer_fact(buf, j.rid, j.seed, j.st)
+    return [out], j.fact((S0,), (S0, S0, S0), True)
+
+
+def _grouped_mm(node: fx.Node, j: _Judge) -> _Judged:
+    """One GEMM per expert over the region's sorted rows (forward), or their sum over tokens (the
+    weight gradient)."""
+    a, b = node.args[0], node.args[1]
+    offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+    if not isinstance(j.st(offs), _Table):
+        raise _Invalid("a grouped GEMM whose offsets are not the region's counts")
+    sa, sb = j.st(a), j.st(b)
+    S0, R = Shard(0), Replicate()
+    if _is_local(sa, "sorted", axis=0) and sb is None and _val(b).ndim == 3:
+        return [j.local("sorted")], j.fact((S0,), (S0, R, R), True)
+    if _is_local(sa, axis=1) and _is_local(sb, axis=0):
+        return [None], j.fact((Partial(),), (Shard(1), S0, R), True)  # a sum over tokens
+    raise _Invalid("a grouped GEMM over rows that are not the region's")
+
+
+def _row_wise(node: fx.Node, ins: list, mesh1, j: _Judge) -> _Judged:
+    """Any other op must be row-wise: DTensor's rule carries the token axis through it."""
+    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
         raise _Invalid("draws random numbers by row position, which the rank's own order changes")
-    states = [st(a) for a in ins]
+    states = [j.st(a) for a in ins]
     if any(isinstance(s, _Table) or (isinstance(s, _Local) and s.values != "plain") for s in states):
         raise _Invalid("computes on the region's counts or positions")
     orders = {s.order for s in states if s is not None}
     if len(orders) != 1:
         raise _Invalid("mixes rows in token and in local order")
-    in_pl = [R if s is None else Shard(s.axis) for s in states]
+    in_pl = [Replicate() if s is None else Shard(s.axis) for s in states]
     outs = placements_through(node, mesh1, in_pl)
     if outs is None:
         raise _Invalid("has no rule that keeps the token axis")
@@ -287,14 +345,14 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict)
     result = []
     for o in outs:
         if isinstance(o, Shard):
-            result.append(local(next(iter(orders)), o.dim))
+            result.append(j.local(next(iter(orders)), o.dim))
         elif isinstance(o, Partial) and o.reduce_op == "sum":
             result.append(None)                  # a sum over tokens: order does not matter
         elif o is None:
             result.append(None)
         else:
             raise _Invalid(f"its rule gives {o} for the token axis")
-    return result, fact(tuple(outs), tuple(in_pl), False)
+    return result, j.fact(tuple(outs), tuple(in_pl), False)
 
 
 def _on(placements, d):

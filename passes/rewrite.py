@@ -41,9 +41,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autoshard import _torch
 from autoshard.cluster import costmodel
 from autoshard.passes.annotate import feeds_only_grads, phases
+from autoshard.passes.graph import META_KEY, Strategy, tensor_inputs
 from autoshard.passes.regions import runs_locally
 from autoshard.passes import rules
-from autoshard.passes.strategies import META_KEY, Strategy, tensor_inputs
 
 ORIGIN = "autoshard.node"   # meta["custom"] key: the joint-graph node a local node implements
 PHASE = "autoshard.phase"   # meta["custom"] key: "fwd" or "bwd"

@@ -61,7 +61,7 @@ from autoshard.notation import parse_placements
 from autoshard.passes.annotate import META_KEY as COST_KEY, feeds_only_grads, is_free, tensor_bytes
 from autoshard.passes.coarsen import FOLLOW_KEY, LAYER_KEY
 from autoshard.passes.regions import META_KEY as REGION_KEY, split_dims
-from autoshard.passes.strategies import META_KEY, per_strategy_list, tensor_inputs, value_of
+from autoshard.passes.graph import META_KEY, per_strategy_list, tensor_inputs, value_of
 
 
 @dataclass(eq=False)  # edges are keyed by identity (solve.py maps each to its cost terms)

@@ -167,7 +167,7 @@ from torch.distributed.tensor import Partial, Shard
 from autoshard.cluster import costmodel
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free, tensor_bytes
 from autoshard.passes.coarsen import LAYER_KEY
-from autoshard.passes.strategies import META_KEY, per_strategy_list, tensor_inputs, value_of
+from autoshard.passes.graph import META_KEY, per_strategy_list, tensor_inputs, value_of
 
 FORWARD = -1   # the forward pass's moment, beside backward's phases 0, 1, ...
 
@@ -714,7 +714,7 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
     (all of them with K > 1), each saved activation from its forward node until its last backward
     reader, each recomputed value from its block's first backward reader of one (where the replay
     runs) until its own last backward reader, and that op's working set; last the optimizer step."""
-    from autoshard.passes.strategies import value_of
+    from autoshard.passes.graph import value_of
 
     state = sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape)
     full = sum(mm.grad[st][choice[st]] for st in mm.grad)

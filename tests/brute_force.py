@@ -1,9 +1,9 @@
 """The oracle for strategy enumeration: every combination of input placements fed to DTensor's
 propagation one at a time, the answers united.
 
-Independent of passes/strategies.py: its own placement lists and evenness check, and DTensor's own
-expansion of single-dim rules over the mesh (``_expand_single_dim_strategy_to_mesh``, what DTensor
-runs at dispatch) rather than autoshard's Cartesian product. Combinations beyond ``limit`` are
+Independent of passes/dtensor_rules.py: its own placement lists and evenness check, and DTensor's
+own expansion of single-dim rules over the mesh (``_expand_single_dim_strategy_to_mesh``, what
+DTensor runs at dispatch) rather than autoshard's Cartesian product. Combinations beyond ``limit`` are
 sampled (seeded), so wide ops (16-input stacks, attention backward) are checked too.
 """
 
@@ -57,7 +57,7 @@ def even(p, val, mesh_shape) -> bool:
 
 
 def _schema(node, mesh, combo: dict):
-    from autoshard.passes.strategies import normalized_args
+    from autoshard.passes.dtensor_rules import normalized_args
 
     def spec(a):
         return OpStrategy([OpSpec(DTensorSpec(mesh, combo[a], _tm(a.meta["val"])))])

@@ -17,7 +17,7 @@ import torch
 import autoshard
 from autoshard.cluster import Cluster
 from autoshard.passes.coarsen import FOLLOW_KEY, mark_followers, repeated_layers
-from autoshard.passes.strategies import picked_output, tensor_inputs, value_of
+from autoshard.passes.graph import picked_output, tensor_inputs, value_of
 from autoshard.zoo import GPT, MLP, GPTConfig, Llama, LlamaConfig
 
 

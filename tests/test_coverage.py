@@ -20,7 +20,8 @@ from autoshard.cluster import Cluster
 from autoshard.errors import CoverageGapError
 from autoshard.runtime.launch import run_local
 from autoshard.passes.coverage import coverage_gaps
-from autoshard.passes.strategies import META_KEY, find_strategies, tensor_inputs
+from autoshard.passes.graph import tensor_inputs
+from autoshard.passes.strategies import META_KEY, find_strategies
 
 pytestmark = pytest.mark.filterwarnings("ignore:autoshard")
 

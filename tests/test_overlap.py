@@ -10,7 +10,7 @@ import autoshard
 from autoshard import Cluster
 from autoshard.cluster import H100, NVLINK4
 from autoshard.passes.annotate import is_free
-from autoshard.passes.strategies import tensor_inputs
+from autoshard.passes.graph import tensor_inputs
 from autoshard.zoo import GPT, GPTConfig
 from test_planning import COMPUTE, GATHERS, GRADS, OPTIMIZER, by_hand, linear_ddp
 
@@ -149,7 +149,7 @@ def test_grad_accumulation_charges_the_reduction_once():
     """K micro-batches: compute and activation collectives K times, gradient reductions once, and
     each gradient held unreduced (where backward made it; Partial = a full copy) in between."""
     from autoshard.build import choice_from_plan
-    from autoshard.passes.strategies import value_of
+    from autoshard.passes.graph import value_of
 
     c = GPTConfig(vocab=512, seq=64, hidden=256, heads=4, layers=2)
     with torch.device("meta"):

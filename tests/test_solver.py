@@ -13,7 +13,8 @@ from autoshard import Cluster, _torch
 from autoshard.cluster import costmodel
 from autoshard.cluster import H100, NVLINK4
 from autoshard.passes.annotate import META_KEY as COST_KEY
-from autoshard.passes.strategies import META_KEY, find_strategies, tensor_inputs, value_of
+from autoshard.passes.graph import tensor_inputs, value_of
+from autoshard.passes.strategies import META_KEY, find_strategies
 from autoshard.solver.formulation import formulate
 from autoshard.solver.solve import solve
 from autoshard.zoo import GPT, GPTConfig, MLP

@@ -9,7 +9,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autoshard
 from autoshard import _torch
 from autoshard.errors import NoShardingRuleError
-from autoshard.passes.strategies import META_KEY, Strategy, find_strategies, tensor_inputs
+from autoshard.passes.graph import tensor_inputs
+from autoshard.passes.strategies import META_KEY, Strategy, find_strategies
 from autoshard.zoo import GPT, GPTConfig, MLP
 
 aten = torch.ops.aten

@@ -233,7 +233,7 @@ def test_planner_prices_the_moves_the_policy_makes(reduce_dtype):
     its move to storage) numel x the reduce dtype's size -- what the runtime sends (counted in
     test_bf16_parameter_gathers_move_bf16), not the fp32 master weights' size."""
     import autoshard
-    from autoshard.passes.strategies import value_of
+    from autoshard.passes.graph import value_of
     from autoshard.zoo import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab=64, seq=32, hidden=64, heads=2, layers=2))

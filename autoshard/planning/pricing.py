@@ -12,7 +12,7 @@ from autoshard.cluster import costmodel
 from autoshard.notation import placements_str
 from autoshard.passes.annotate import META_KEY as COST_KEY, tensor_bytes
 from autoshard.passes.coarsen import LAYER_KEY
-from autoshard.passes.strategies import META_KEY, value_of
+from autoshard.passes.graph import META_KEY, value_of
 from autoshard.planning.driver import OPTIMIZER_STATE_PER_PARAM_BYTE
 from autoshard.planning.modules import module_names
 from autoshard.planning.plan import NodeDecision, Plan

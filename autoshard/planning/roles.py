@@ -37,7 +37,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.passes.annotate import is_free
-from autoshard.passes.strategies import META_KEY, tensor_inputs, value_of
+from autoshard.passes.graph import META_KEY, tensor_inputs, value_of
 from autoshard.passes.trace import TracedModel
 
 

@@ -4,7 +4,7 @@ torch 2.13 gave these ops single-dim rules. torch 2.11 and 2.12 have rules of th
 written for DTensor's dispatch, where the statistics (mean, rstd) and the weight and bias reaching
 the backward always come from a forward that DTensor itself placed: the backward's rule takes their
 placements as it finds them and never asks for a redistribution. Asked about every placement of
-every input, as planning asks (passes/strategies.py), that rule accepts statistics split unlike
+every input, as planning asks (passes/dtensor_rules.py), that rule accepts statistics split unlike
 the input and a split weight, and the plan then fails at run time (a [32] weight slice against a
 [.., 64] row). The rules below, torch 2.13's, are registered where torch has no single-dim rule
 for the op; DTensor's dispatch prefers a single-dim rule, so execution runs what was planned.
