@@ -14,8 +14,9 @@ Besides op inputs, two kinds of edges close the step: each forward output must e
 and each gradient must land in its parameter's storage placement (the placeholder's choice).
 An edge from a parameter into a view of it is *aligned* (no resharding: the view takes the
 storage placement, sum_{s: in_e(s) = p} x[v,s] = sum_{s: out_e(s) = p} x[u,s]), so parameters
-are gathered at their consumers, forward and backward alike. Memory rows: solver/memory.py;
-repeated layers: :func:`share`.
+are gathered at their consumers, forward and backward alike. The rows are solver/solve.py's;
+memory: solver/memory.py (the model) and solver/memory_rows.py (its rows); repeated layers:
+:func:`share`.
 
 Token-local regions (passes/regions.py: an MoE dispatch each rank may run on its own tokens).
 With T_d(v) the strategies of member v that split the tokens on mesh dim d and h the region's
@@ -40,11 +41,11 @@ nodes outside repeated layers form one more block), with a = the cluster's ``com
 
     E_b >= sum_{overlappable e in b} R_e  -  a * sum_{v in b} sum_s c[v,s] x[v,s],   E_b >= 0
 
-and the objective charges E_b instead of those edges. A gather belongs to its consumer's block, a
-gradient reduction to its producer's. Only a bucketed gradient reduction made by backward itself
-hides (:meth:`Edge.hides`); any other runs after backward, exposed, on its own (with its latency).
-With a = 0 everything is exposed (the CPU runtime issues collectives in graph order and waits on
-each).
+and the objective charges E_b instead of those edges (solver/overlap.py: the rows, and E_b at a
+plan for pricing it). A gather belongs to its consumer's block, a gradient reduction to its
+producer's. Only a bucketed gradient reduction made by backward itself hides (:meth:`Edge.hides`);
+any other runs after backward, exposed, on its own (with its latency). With a = 0 everything is
+exposed (the CPU runtime issues collectives in graph order and waits on each).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from autoshard.passes.regions import META_KEY as REGION_KEY, split_dims
 from autoshard.passes.graph import META_KEY, per_strategy_list, tensor_inputs, value_of
 
 
-@dataclass(eq=False)  # edges are keyed by identity (solve.py maps each to its cost terms)
+@dataclass(eq=False)  # edges are keyed by identity (the solver maps each to its cost terms)
 class Edge:
     src: fx.Node                 # producer (decision node)
     src_out: int                 # which output of the producer
@@ -181,14 +182,29 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     ``micro_batches`` K: one step runs the graph K times (gradient accumulation); every compute
     cost and resharding counts K times except the gradients' reduction to storage, which runs
     once, on the last micro-batch (the earlier ones accumulate unreduced: solver/memory.py)."""
-    gm = traced.gm
     policy = getattr(traced, "mixed_precision", None)
     param_dtype = getattr(policy, "param_dtype", None)  # the runtime gathers it when narrower
     reduce_dtype = getattr(policy, "reduce_dtype", None)
     storage = {node: Storage(node) for _, node in traced.params}
-    nodes = [n for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].alias_of is None]
+    nodes = [n for n in traced.gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].alias_of is None]
     nodes += storage.values()
-    # a Storage decision carries the optimizer's update of its shard (once per step, not per micro-batch)
+    cost = _costs(traced, cluster, nodes, micro_batches)
+    rep = tuple([Replicate()] * cluster.ndim)
+    allowed = _allowed(traced, cluster, nodes, storage, constraints, allow, rep)
+    block = {n: (n.meta.get(LAYER_KEY) or (None, None))[1] for n in nodes}
+    problem = Problem(nodes, cost, allowed, block=block, overlap=cluster.device.comm_overlap,
+                      micro_batches=micro_batches, storage=storage)
+    _gather_edges(problem, param_dtype)
+    _input_edges(problem, traced, followers, reduce_dtype)
+    _output_edges(problem, traced, rep)
+    _grad_edges(problem, traced, reduce_dtype)
+    problem.ties = _token_local_ties(problem, cluster.ndim)
+    return problem
+
+
+def _costs(traced, cluster, nodes: list, micro_batches: int) -> dict:
+    """c[v,s]: an op's compute time under each strategy, K times per step; a Storage decision's,
+    the optimizer's update of its shard (once per step, not per micro-batch)."""
     trained = {node for name, node in traced.params if traced.grads.get(name) is not None}
     priced: dict = {}   # a repeated layer's op prices like its twins: once per (strategy list, cost)
 
@@ -197,60 +213,76 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
         return list(per_strategy_list(priced, strategies, n.meta.get(COST_KEY), lambda: [
             micro_batches * costmodel.compute_time(cluster, n, s) for s in strategies]))
 
-    cost = {n: [costmodel.optimizer_time(cluster, n.param, s, n.param in trained) for s in n.meta[META_KEY].strategies]
+    return {n: [costmodel.optimizer_time(cluster, n.param, s, n.param in trained) for s in n.meta[META_KEY].strategies]
             if isinstance(n, Storage) else compute(n) for n in nodes}
-    allowed = {n: list(range(len(n.meta[META_KEY].strategies))) for n in nodes}
-    rep = tuple([Replicate()] * cluster.ndim)
 
-    # Buffers and tangents stay replicated; user constraints pin parameters and inputs.
+
+def _allowed(traced, cluster, nodes: list, storage: dict, constraints: dict | None, allow, rep: tuple) -> dict:
+    """The strategies each node may take: buffers and tangents replicated, the user's pins on
+    parameters and inputs, then ``allow``'s limits."""
+    allowed = {n: list(range(len(n.meta[META_KEY].strategies))) for n in nodes}
     for _, node in traced.buffers:
         allowed[node] = _restrict(node, rep, f"buffer {node.name}")
     for node in traced.tangents:
         allowed[node] = _restrict(node, rep, "the loss tangent")
     for key, value in (constraints or {}).items():
         if key == "inputs":
-            if len(value) != len(traced.inputs):
-                raise ConstraintError(f"'inputs' has {len(value)} entries but the model takes {len(traced.inputs)} "
-                                      f"tensor inputs; give one placement list (or None) per input")
-            for i, (node, v) in enumerate(zip(traced.inputs, value)):
-                if v is not None:
-                    allowed[node] = _restrict(node, _parse_placements(v, cluster.ndim, f"input {i}"), f"input {i}")
-            continue
-        matched = [(name, node) for name, node in traced.params if fnmatch.fnmatchcase(name, key)]
-        if not matched:
-            names = ", ".join(n for n, _ in traced.params[:6])
-            raise ConstraintError(f"constraint {key!r} matches no parameter (parameters are named like {names}, ...)")
-        pl = _parse_placements(value, cluster.ndim, key)
-        for name, node in matched:
-            allowed[storage[node]] = _restrict(node, pl, f"parameter {name}")
-
+            _pin_inputs(allowed, traced, cluster, value)
+        else:
+            _pin_params(allowed, traced, cluster, storage, key, value)
     if allow is not None:
         for n in nodes:
             strategies = n.meta[META_KEY].strategies
             allowed[n] = [s for s in allowed[n] if allow(n, strategies[s])]
             if not allowed[n]:
                 raise ConstraintError(f"no strategy of {n.name} ({n.target}) satisfies the given limits")
-    block = {n: (n.meta.get(LAYER_KEY) or (None, None))[1] for n in nodes}
-    problem = Problem(nodes, cost, allowed, block=block, overlap=cluster.device.comm_overlap,
-                      micro_batches=micro_batches, storage=storage)
+    return allowed
+
+
+def _pin_inputs(allowed: dict, traced, cluster, value) -> None:
+    if len(value) != len(traced.inputs):
+        raise ConstraintError(f"'inputs' has {len(value)} entries but the model takes {len(traced.inputs)} "
+                              f"tensor inputs; give one placement list (or None) per input")
+    for i, (node, v) in enumerate(zip(traced.inputs, value)):
+        if v is not None:
+            allowed[node] = _restrict(node, _parse_placements(v, cluster.ndim, f"input {i}"), f"input {i}")
+
+
+def _pin_params(allowed: dict, traced, cluster, storage: dict, key: str, value) -> None:
+    """The storage placement of the parameters whose names match the pattern ``key``."""
+    matched = [(name, node) for name, node in traced.params if fnmatch.fnmatchcase(name, key)]
+    if not matched:
+        names = ", ".join(n for n, _ in traced.params[:6])
+        raise ConstraintError(f"constraint {key!r} matches no parameter (parameters are named like {names}, ...)")
+    pl = _parse_placements(value, cluster.ndim, key)
+    for name, node in matched:
+        allowed[storage[node]] = _restrict(node, pl, f"parameter {name}")
+
+
+def _gather_edges(problem: Problem, param_dtype) -> None:
     # storage -> working placement: one gather per step (not per micro-batch: the copy is kept)
     # (under a mixed-precision policy the gather moves the compute dtype: autoshard/runtime/module.py)
-    for p, st in storage.items():
+    for p, st in problem.storage.items():
         full = tensor_bytes(p.meta["val"])
         moves = min(full, tensor_bytes(p.meta["val"], param_dtype)) if param_dtype else full
         problem.edges.append(Edge(st, 0, p, [s.outputs[0] for s in p.meta[META_KEY].strategies], moves,
-                                  kind="gather", overlap=True, block=block[p], kept=full))
+                                  kind="gather", overlap=True, block=problem.block[p], kept=full))
+
+
+def _input_edges(problem: Problem, traced, followers: bool, reduce_dtype) -> None:
+    """An edge per tensor input of every op, K runs per step: aligned for a view of a parameter
+    and for a follower, overlappable for a parameter's move (it waits on no compute)."""
     params = {node for _, node in traced.params}
     # parameters, their views and casts: what a consumer gathers without waiting on compute
     moved = set(params)
-    to_grads = feeds_only_grads(gm, traced) if reduce_dtype is not None else set()
+    to_grads = feeds_only_grads(traced.gm, traced) if reduce_dtype is not None else set()
     wanted: dict = {}   # twins share their edges' dst_in lists, which share() keys by
 
     def inputs_of(v, i: int) -> list:
         strategies = v.meta[META_KEY].strategies
         return per_strategy_list(wanted, strategies, i, lambda: [s.inputs[i] for s in strategies])
 
-    for v in nodes:
+    for v in problem.nodes:
         if v.op != "call_function":
             continue
         args = tensor_inputs(v)
@@ -263,31 +295,39 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
             # A follower (passes/coarsen.py) takes its input's placement whichever it is.
             param_view = u in params and is_free(v)
             follows = not param_view and followers and v.meta.get(FOLLOW_KEY) == i and \
-                {problem.src_placement_of(u, k, s) for s in allowed[u]} <= {dst_in[s] for s in allowed[v]}
+                {problem.src_placement_of(u, k, s) for s in problem.allowed[u]} <= \
+                {dst_in[s] for s in problem.allowed[v]}
             aligned = param_view or follows
             if aligned and u in moved and len(args) == 1:
                 moved.add(v)
             problem.edges.append(Edge(u, k, v, dst_in, tensor_bytes(arg.meta["val"]), aligned=aligned,
-                                      slices=follows, overlap=u in moved and not aligned, block=block[v],
-                                      weight=micro_batches,
+                                      slices=follows, overlap=u in moved and not aligned, block=problem.block[v],
+                                      weight=problem.micro_batches,
                                       reduce_nbytes=tensor_bytes(arg.meta["val"], reduce_dtype)
                                       if v in to_grads else None))
+
+
+def _output_edges(problem: Problem, traced, rep: tuple) -> None:
+    # each forward output ends Replicate, K times per step
     for out in traced.outputs:
         if out is not None:
             u, k = value_of(out)
             problem.edges.append(Edge(u, k, None, None, tensor_bytes(out.meta["val"]), rep, "output",
-                                      weight=micro_batches))
+                                      weight=problem.micro_batches))
+
+
+def _grad_edges(problem: Problem, traced, reduce_dtype) -> None:
+    # each gradient lands in its parameter's storage placement, once per step (to_storage moves
+    # it in reduce_dtype)
     params = dict(traced.params)
     for name, grad in traced.grads.items():
         if grad is not None:
             u, k = value_of(grad)
             p = params[name]
-            problem.edges.append(Edge(u, k, storage[p], [s.outputs[0] for s in p.meta[META_KEY].strategies],
+            problem.edges.append(Edge(u, k, problem.storage[p], [s.outputs[0] for s in p.meta[META_KEY].strategies],
                                       tensor_bytes(grad.meta["val"], reduce_dtype), kind="grad",
-                                      overlap=True, block=block[u],  # to_storage moves it in reduce_dtype
+                                      overlap=True, block=problem.block[u],
                                       kept=tensor_bytes(grad.meta["val"])))
-    problem.ties = _token_local_ties(problem, cluster.ndim)
-    return problem
 
 
 def _token_local_ties(problem: Problem, ndim: int) -> list:
@@ -340,16 +380,38 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
     rep = {**rep, **{st: problem.storage[rep[p]] for p, st in problem.storage.items()
                      if p in rep and problem.allowed[st] == problem.allowed[problem.storage[rep[p]]]}}
     r = lambda v: rep.get(v, v)  # noqa: E731
+    shared = _shared_nodes(problem, r)
+    shared.edges, new_of = _merged_edges(problem, r)
+    # a region's copies tie the same class nodes alike: one tie per distinct mapped row
+    shared.ties = list({tuple((r(v), ss) for v, ss in tie): [(r(v), ss) for v, ss in tie]
+                        for tie in problem.ties}.values())
+    m = _shared_memory(problem, mm, rep, r)
+    _shared_memory_graph(mm, m, r, new_of)
+
+    def expand(choice: dict, recompute: set) -> tuple[dict, set]:
+        return ({v: choice[r(v)] for v in problem.nodes},
+                {v for v in mm.recomputable if r(v) in recompute})
+
+    return shared, m, expand
+
+
+def _shared_nodes(problem: Problem, r) -> Problem:
+    """The class nodes, each costing its members' sum, without edges yet."""
     nodes = list(dict.fromkeys(r(v) for v in problem.nodes))
     cost: dict[fx.Node, list[float]] = {v: [0.0] * len(problem.cost[v]) for v in nodes}
     for v in problem.nodes:
         cost[r(v)] = [a + b for a, b in zip(cost[r(v)], problem.cost[v])]
     # a class's block is its representative's: the block rows then sum every copy's comm and
     # compute, which equals the sum of the per-copy rows since the copies choose alike
-    shared = Problem(nodes, cost, {v: problem.allowed[v] for v in nodes},
-                     block={v: problem.block.get(v) for v in nodes}, overlap=problem.overlap,
-                     micro_batches=problem.micro_batches,
-                     storage={p: st for p, st in problem.storage.items() if p in cost})
+    return Problem(nodes, cost, {v: problem.allowed[v] for v in nodes},
+                   block={v: problem.block.get(v) for v in nodes}, overlap=problem.overlap,
+                   micro_batches=problem.micro_batches,
+                   storage={p: st for p, st in problem.storage.items() if p in cost})
+
+
+def _merged_edges(problem: Problem, r) -> tuple[list[Edge], dict[Edge, Edge]]:
+    """The class graph's edges, identical ones merged (their weights summed), and each edge's
+    merged edge."""
     merged: dict[tuple, Edge] = {}
     new_of: dict[Edge, Edge] = {}
     wanted: dict[int, tuple] = {}   # id(dst_in) -> its text: twins' edges share the list (formulate)
@@ -368,11 +430,12 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
                                e.fixed, e.kind, e.weight, e.aligned, e.slices, e.overlap, blk, e.kept,
                                e.reduce_nbytes)
         new_of[e] = merged[key]
-    shared.edges = list(merged.values())
-    # a region's copies tie the same class nodes alike: one tie per distinct mapped row
-    shared.ties = list({tuple((r(v), ss) for v, ss in tie): [(r(v), ss) for v, ss in tie]
-                        for tie in problem.ties}.values())
+    return list(merged.values()), new_of
 
+
+def _shared_memory(problem: Problem, mm, rep: dict, r):
+    """The memory model of the class graph: a class's bytes summed over its copies, and the share
+    of its copies live (made, replayed) in each backward phase."""
     from autoshard.solver.memory import MemoryModel
 
     # one keep / recompute decision per class too: per group of copies (1, 2, 4, ... copies, any
@@ -391,9 +454,15 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
         for v, vec in table.items():
             n = copies.get(r(v), 1)
             out[r(v)] = tuple(a + b / n for a, b in zip(out.get(r(v), (0.0,) * len(vec)), vec))
-    m.inside = {r(v) for v in mm.inside}
     for v, vals in mm.work.items():
         m.work[r(v)] = [max(a, b) for a, b in zip(m.work.get(r(v), vals), vals)]
+    return m
+
+
+def _shared_memory_graph(mm, m, r, new_of: dict) -> None:
+    """``m``'s forward graph, recompute candidates and moments: ``mm``'s, mapped onto the class
+    nodes (and the merged edges)."""
+    m.inside = {r(v) for v in mm.inside}
     m.needed = list(dict.fromkeys(r(v) for v in mm.needed))
     m.recomputable = list(dict.fromkeys(r(v) for v in mm.recomputable))
     m.checkpoints = {r(v) for v in mm.checkpoints}
@@ -411,9 +480,3 @@ def share(problem: Problem, mm, rep: dict[fx.Node, fx.Node]):
     m.grads = list(dict.fromkeys(new_of[e] for e in mm.grads))
     m.last_bucket = {new_of[e] for e in mm.last_bucket}
     m.uses = list(dict.fromkeys(new_of[e] for e in mm.uses))
-
-    def expand(choice: dict, recompute: set) -> tuple[dict, set]:
-        return ({v: choice[r(v)] for v in problem.nodes},
-                {v for v in mm.recomputable if r(v) in recompute})
-
-    return shared, m, expand

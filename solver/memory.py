@@ -1,8 +1,8 @@
 """memory: what each decision costs in per-device bytes, and which activations may be recomputed.
 
 A training step holds different things at different moments, and the peak is the largest of them.
-Each moment is a row of the ILP (moment <= peak <= limit), and :func:`predicted_memory` evaluates
-the same rows for a plan:
+Each moment is a row of the ILP (moment <= peak <= limit: solver/memory_rows.py builds them from the
+model here), and :func:`predicted_memory` evaluates the same rows for a plan:
 
     forward             S + A + T_fwd
     backward phase p    S + G_p + A_p + R_p + T_p          (every phase p of backward, below)
@@ -118,8 +118,8 @@ much that an 80-layer Llama's solve took 266 s instead of 39 s.
 
 Recomputing v costs its compute again: sum_s c[v,s] j[v,s], j[v,s] = x[v,s] r_v in the same form,
 and the resharding of its inputs again (a parameter's gather for FSDP, a tensor-parallel
-all-reduce): for each input edge e of v, with R_e = sum of e's resharding terms (the solve's
-``reshard_terms``) and M_e its largest value,
+all-reduce): for each input edge e of v, with R_e = sum of e's resharding terms (the resharding
+rows' terms, before overlap) and M_e its largest value,
 
     w_e >= R_e - M_e (1 - r_v),   w_e >= 0,   objective += w_e
 
@@ -291,6 +291,28 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
         return list(per_strategy_list(sized, node.meta[META_KEY].strategies, tuple(_outputs_bytes(node)),
                                       lambda: _local_outputs(node, mesh)))
 
+    _storage(mm, traced, problem, local_outputs, optimizer_factor)
+    if problem.micro_batches > 1:
+        _accumulated_gradients(mm, problem)
+    fwd = [v for v in problem.nodes if v.op == "call_function" and v.meta[COST_KEY].phase == "fwd"]
+    _working_sets(mm, traced, problem)
+    _activations(mm, fwd, local_outputs)
+    graph = traced.gm.graph
+    phase, mm.phase_names = backward_phases(graph, mm.block)
+    mm.phases = len(mm.phase_names)
+    reads = _backward_reads(graph, phase, set(fwd))
+    mm.needed = list(reads)
+    _liveness(mm, fwd, reads)
+    _moments_of_moves(mm, problem, phase)
+    mm.last_bucket = _last_bucket(mm, problem, graph)
+    mm.view_edge = {e.dst: e for e in problem.edges
+                    if e.kind == "input" and not e.aligned and e.dst is not None and mm.base_of.get(e.dst) is e.src}
+    return mm
+
+
+def _storage(mm: MemoryModel, traced, problem, local_outputs, optimizer_factor: float) -> None:
+    """S's bytes per strategy: each parameter at its storage placement with, trained, its optimizer
+    state (and G's gradient, O's temporary); the inputs and buffers; each parameter's working copy."""
     trained = {name for name, g in traced.grads.items() if g is not None}
     for name, node in traced.params:
         # at its storage placement: a frozen parameter has no gradient and no optimizer state
@@ -301,17 +323,20 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
         mm.held.append((st, node, tensor_bytes(node.meta["val"])))
     for node in [*traced.inputs, *(node for _, node in traced.buffers)]:
         mm.state[node] = local_outputs(node)
-    if problem.micro_batches > 1:
-        # all but the last micro-batch keep their gradients unreduced, where backward made them
-        # (a Partial gradient is a full local copy), and add the next one's into them
-        for e in problem.edges:
-            if e.kind == "grad":
-                held = [costmodel.local_bytes(e.kept, s.outputs[e.src_out], mesh)  # in its own dtype
-                        for s in e.src.meta[META_KEY].strategies]
-                mm.state[e.src] = [a + b for a, b in zip(mm.state.get(e.src, [0.0] * len(held)), held)]
 
-    fwd = [v for v in problem.nodes if v.op == "call_function" and v.meta[COST_KEY].phase == "fwd"]
-    fwd_set = set(fwd)
+
+def _accumulated_gradients(mm: MemoryModel, problem) -> None:
+    # all but the last micro-batch keep their gradients unreduced, where backward made them
+    # (a Partial gradient is a full local copy), and add the next one's into them
+    for e in problem.edges:
+        if e.kind == "grad":
+            held = [costmodel.local_bytes(e.kept, s.outputs[e.src_out], mm.mesh_shape)  # in its own dtype
+                    for s in e.src.meta[META_KEY].strategies]
+            mm.state[e.src] = [a + b for a, b in zip(mm.state.get(e.src, [0.0] * len(held)), held)]
+
+
+def _working_sets(mm: MemoryModel, traced, problem) -> None:
+    """work[v,s]: each op's working set under each strategy."""
     stateful = {node for _, node in [*traced.params, *traced.buffers]} | set(traced.inputs)
     for v in problem.nodes:
         if v.op == "call_function":
@@ -321,6 +346,12 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
             own = v.meta[COST_KEY].bytes - sum(tensor_bytes(a.meta.get("val")) for a in v.all_input_nodes
                                                if _base(a) in stateful or backward and _phase(_base(a)) == "fwd")
             mm.work[v] = [own / s.shards for s in v.meta[META_KEY].strategies]
+
+
+def _activations(mm: MemoryModel, fwd: list[fx.Node], local_outputs) -> None:
+    """act[v,s] of every forward value (a view's: none), the forward graph the recompute rows
+    read, what may be recomputed, and per-layer checkpointing's boundaries."""
+    fwd_set = set(fwd)
     for v in fwd:
         free = is_free(v)
         mm.act[v] = [0.0] * len(v.meta[META_KEY].strategies) if free else local_outputs(v)
@@ -335,18 +366,22 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     layered = [i for i, v in enumerate(fwd) if mm.block.get(v) is not None]
     mm.inside = set(fwd[layered[0]:layered[-1] + 1]) if layered else set(fwd)   # no layers: all of it
 
-    graph = traced.gm.graph
-    phase, mm.phase_names = backward_phases(graph, mm.block)
-    mm.phases = len(mm.phase_names)
-    reads: dict[fx.Node, list[int]] = {}   # forward value -> the phases of the backward ops reading it
+
+def _backward_reads(graph: fx.Graph, phase: dict, fwd_set: set) -> dict[fx.Node, list[int]]:
+    """Forward value -> the phases of the backward ops reading it."""
+    reads: dict[fx.Node, list[int]] = {}
     for n in graph.nodes:
         if n in phase:
             for a in tensor_inputs(n):
                 u = _producer(a)
                 if u in fwd_set:
                     reads.setdefault(u, []).append(phase[n])
-    mm.needed = list(reads)
-    _liveness(mm, fwd, reads)
+    return reads
+
+
+def _moments_of_moves(mm: MemoryModel, problem, phase: dict) -> None:
+    """The moments of the gradients' and parameter uses' moves: a gradient is made (made[v,p]) and
+    in flight in its producer's phase, a parameter is gathered in its consumer's."""
     mm.grads = [e for e in problem.edges if e.kind == "grad"]
     for e in mm.grads:
         made = phase.get(e.src, 0)
@@ -357,16 +392,16 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
         mm.at[e] = frozenset({phase.get(e.dst, FORWARD)})
     for v in mm.work:
         mm.at[v] = frozenset({phase.get(v, FORWARD)})
-    # gradients of parameters outside the layers that backward makes after the last layer (the
-    # embeddings'): their bucket is reduced when no activation is left
+
+
+def _last_bucket(mm: MemoryModel, problem, graph: fx.Graph) -> set:
+    """Gradients of parameters outside the layers that backward makes after the last layer (the
+    embeddings'): their bucket is reduced when no activation is left."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max((order[n] for n in order if n.op == "call_function" and _phase(n) == "bwd"
                 and problem.block.get(n) is not None), default=None)
-    mm.last_bucket = {e for e in mm.grads if last is not None and problem.block.get(e.dst.param) is None
-                      and order.get(e.src, -1) > last}
-    mm.view_edge = {e.dst: e for e in problem.edges
-                    if e.kind == "input" and not e.aligned and e.dst is not None and mm.base_of.get(e.dst) is e.src}
-    return mm
+    return {e for e in mm.grads if last is not None and problem.block.get(e.dst.param) is None
+            and order.get(e.src, -1) > last}
 
 
 def _liveness(mm: MemoryModel, fwd: list[fx.Node], reads: dict[fx.Node, list[int]]) -> None:

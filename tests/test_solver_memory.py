@@ -68,7 +68,7 @@ def test_memory_and_recompute_match_brute_force(seed, backend):
     mm.limit = cap
     sol = solve(problem, cluster, mm, backend=backend, mip_gap=0.0)   # SCIP stops at its gap otherwise
     assert sol.status == "optimal"
-    recomputed_tiebreak = 1e-9 * len(sol.recompute)  # solve.py adds a nanosecond per recomputed node
+    recomputed_tiebreak = 1e-9 * len(sol.recompute)  # memory_rows.py adds a nanosecond per recomputed node
     assert sol.objective - recomputed_tiebreak == pytest.approx(best, rel=1e-6, abs=1e-9)
     peak = sum(predicted_memory(mm, sol.choice, sol.recompute).values())
     assert peak <= cap * (1 + 1e-9)

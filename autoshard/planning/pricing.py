@@ -16,42 +16,15 @@ from autoshard.passes.graph import META_KEY, value_of
 from autoshard.planning.driver import OPTIMIZER_STATE_PER_PARAM_BYTE
 from autoshard.planning.modules import module_names
 from autoshard.planning.plan import NodeDecision, Plan
+from autoshard.solver import overlap
 from autoshard.solver.formulation import Storage
 from autoshard.solver.memory import recompute_resharding
 
 
 def price(traced, cluster, problem, solution, fallbacks, gaps=(), limit=None) -> Plan:
     choice = {n: n.meta[META_KEY].strategies[s] for n, s in solution.choice.items()}
-    comm: dict[str, list[dict]] = {}
-    edges, hideable = [], {}
-    for e in problem.edges:
-        src = choice[e.src].outputs[e.src_out]
-        dst = e.fixed if e.dst is None else e.dst_in[solution.choice[e.dst]]
-        where = "output" if e.dst is None else e.dst.name
-        if e.kind != "gather":  # graph edges; a storage -> working gather shows at its parameter
-            edges.append((e.src.name, where))
-        calls = 1 if e.kind in ("grad", "gather") else problem.micro_batches  # per optimizer step
-        bucketed, hides = e.in_bucket(src, dst, cluster.mesh_shape), \
-            e.hides(src, dst, cluster.mesh_shape, problem.micro_batches)
-        for c in costmodel.resharding(cluster, src, dst, e.moved_bytes(src, dst), bucketed):
-            entry = {"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time * calls,
-                     "src": e.src.name, "exposed": c.time * calls, "calls": calls, "role": e.kind}
-            comm.setdefault(where, []).append(entry)
-            if hides and problem.overlap > 0:
-                hideable.setdefault(e.block, []).append(entry)
-    # the exposed part of each block's parameter and gradient moves (formulation.py: Overlap),
-    # spread over its collectives in proportion to their time
-    block_compute: dict[object, float] = {}
-    for n in problem.nodes:
-        if isinstance(n, Storage):  # the optimizer step runs after backward: it hides nothing
-            continue
-        block_compute[problem.block.get(n)] = block_compute.get(problem.block.get(n), 0.0) + \
-            problem.cost[n][solution.choice[n]]
-    for b, entries in hideable.items():
-        total = sum(c["time"] for c in entries)
-        left = max(0.0, total - problem.overlap * block_compute.get(b, 0.0))
-        for c in entries:
-            c["exposed"] = c["time"] * (left / total if total > 0 else 0.0)
+    comm, edges, hidden = _collectives(cluster, problem, solution.choice)
+    _expose(problem, solution.choice, hidden)
     nodes, compute, recompute_time = [], 0.0, 0.0
     modules = module_names(traced, {n: n.meta[LAYER_KEY][1] for n in traced.gm.graph.nodes if LAYER_KEY in n.meta})
     for n, s in choice.items():
@@ -95,6 +68,41 @@ def price(traced, cluster, problem, solution, fallbacks, gaps=(), limit=None) ->
                    "recompute_comm": recompute_comm, "optimizer": optimizer},
         grad_accumulation=problem.micro_batches, peak_moment=solution.memory.moment,
         saved_for_backward=solution.memory.saved, param_names={node.name: name for name, node in traced.params})
+
+
+def _collectives(cluster, problem, choice: dict) -> tuple[dict[str, list[dict]], list, dict[object, list[dict]]]:
+    """Every edge's collectives under ``choice`` (node -> strategy index), per step and at first all
+    exposed, by the node they show at; the graph's edges; and each block's collectives that its
+    compute may hide (solver/overlap.py)."""
+    comm: dict[str, list[dict]] = {}
+    edges, hidden = [], {}
+    mesh = cluster.mesh_shape
+    for e in problem.edges:
+        src = problem.src_placement(e, choice[e.src])
+        dst = e.fixed if e.dst is None else e.dst_in[choice[e.dst]]
+        where = "output" if e.dst is None else e.dst.name
+        if e.kind != "gather":  # graph edges; a storage -> working gather shows at its parameter
+            edges.append((e.src.name, where))
+        calls = 1 if e.kind in ("grad", "gather") else problem.micro_batches  # per optimizer step
+        bucketed, hides = e.in_bucket(src, dst, mesh), overlap.hidden(problem, e, src, dst, mesh)
+        for c in costmodel.resharding(cluster, src, dst, e.moved_bytes(src, dst), bucketed):
+            entry = {"kind": c.kind, "mesh_dim": c.mesh_dim, "bytes": c.nbytes, "time": c.time * calls,
+                     "src": e.src.name, "exposed": c.time * calls, "calls": calls, "role": e.kind}
+            comm.setdefault(where, []).append(entry)
+            if hides:
+                hidden.setdefault(e.block, []).append(entry)
+    return comm, edges, hidden
+
+
+def _expose(problem, choice: dict, hidden: dict[object, list[dict]]) -> None:
+    """Each block's exposed communication, the solver's E_b at ``choice`` (solver/overlap.py),
+    spread over the block's hidden collectives in proportion to their time."""
+    members = overlap.hiding_nodes(problem)
+    for b, entries in hidden.items():
+        total = sum(c["time"] for c in entries)
+        left = overlap.exposed(problem, total, members.get(b, []), choice)
+        for c in entries:
+            c["exposed"] = c["time"] * (left / total if total > 0 else 0.0)
 
 
 def _mfu(traced, cluster, step_time: float) -> float | None:
