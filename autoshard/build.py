@@ -12,10 +12,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch
-from autoshard.cluster import Cluster, costmodel
+from autoshard.cluster import Cluster
+from autoshard.collectives import gradient_buckets, local_shape
 from autoshard.errors import PlanMismatchError, TraceError
 from autoshard.notation import parse_placements
-from autoshard.passes.bucket import bucket_gathers, gradient_buckets, reduce_gradients
+from autoshard.passes.bucket import bucket_gathers, reduce_gradients
 from autoshard.passes.regions import untied
 from autoshard.passes.rewrite import local_joint, split
 from autoshard.passes.strategies import META_KEY
@@ -79,7 +80,7 @@ def build(model: nn.Module, traced: TracedModel, plan: Plan, cluster: Cluster, d
                      for name, p in params.items()] + list(buffers.values())
     for node, pl in zip(traced.inputs, input_pl):
         val = node.meta["val"]
-        local_primals.append(torch.zeros(costmodel.local_shape(val.shape, pl, mesh.shape), dtype=val.dtype, device=device))
+        local_primals.append(torch.zeros(local_shape(val.shape, pl, mesh.shape), dtype=val.dtype, device=device))
     order = [node for node in traced.gm.graph.find_nodes(op="placeholder") if node not in traced.tangents]
     if order != [n for _, n in traced.params] + [n for _, n in traced.buffers] + list(traced.inputs):
         raise TraceError("the traced graph lists its inputs in an order autoshard does not expect "

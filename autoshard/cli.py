@@ -240,7 +240,7 @@ def cmd_clusters(args) -> int:
     from rich.table import Table
 
     from autoshard.cluster import PRESETS
-    from autoshard.report.text import _console, export
+    from autoshard.report.format import export, recording_console
 
     t = Table(title="cluster presets (--cluster PRESET[:NODES]; mesh (node, gpu)); also local:N", title_justify="left")
     for col in ("preset", "device", "memory", "gpus/node", "link in node (gpu)", "link between nodes (node)",
@@ -250,7 +250,7 @@ def cmd_clusters(args) -> int:
         link = lambda l: f"{l.name}, {l.bandwidth / 1e9:g} GB/s, {l.latency * 1e6:g} us"  # noqa: E731
         t.add_row(name, p.device.name, f"{p.device.memory / 1e9:.3g} GB", str(p.gpus_per_node), link(p.intra),
                   link(p.inter), p.description)
-    console = _console(width())
+    console = recording_console(width())
     console.print(t)
     print(export(console), end="")
     return 0

@@ -15,8 +15,9 @@ all-reduce, FSDP's reduce-scatter), is not in this graph: passes/bucket.py adds 
 block, to a copy of the backward graph, which the runtime runs when it synchronizes; when it
 accumulates, the runtime sums the unreduced gradients of several micro-batches and moves the sum
 after the last (the move is linear: reduce(sum g_k) = sum reduce(g_k)), the moves bucketing
-leaves alone with :func:`to_storage`. With a ``reduce_dtype``, every reduction of a partial sum on
-the way to a parameter's gradient runs in that dtype.
+leaves alone with autoshard/collectives.py's ``to_storage``, which redistributes as the graph does
+(``to_placements``). With a ``reduce_dtype``, every reduction of a partial sum on the way to a
+parameter's gradient runs in that dtype.
 
 Example (inside a process group; ``choice``: node -> chosen Strategy)::
 
@@ -34,12 +35,12 @@ import warnings
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoshard import _torch
-from autoshard.cluster import costmodel
+from autoshard.collectives import local_shape, to_placements
 from autoshard.passes.annotate import feeds_only_grads, phases
 from autoshard.passes.graph import META_KEY, Strategy, tensor_inputs
 from autoshard.passes.regions import runs_locally
@@ -50,45 +51,6 @@ PHASE = "autoshard.phase"   # meta["custom"] key: "fwd" or "bwd"
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
-def _keep_layout(out: DTensor) -> DTensor:
-    """A collective hands back its local result contiguous, but the traced graph may rely on the
-    producer's memory order (CPU flash attention returns a transposed view, and a later ``view``
-    needs it): lay the local shard out in the order of the DTensor's own strides."""
-    if out.ndim < 2:
-        return out
-    order = lambda strides: sorted(range(out.ndim), key=lambda d: (-strides[d], d))  # noqa: E731
-    want, local = order(out.stride()), out.to_local()
-    if want == order(local.stride()):
-        return out
-    back = sorted(range(out.ndim), key=lambda d: want[d])
-    return DTensor.from_local(local.permute(want).contiguous().permute(back), out.device_mesh, out.placements,
-                              run_check=False, shape=out.shape, stride=out.stride())
-
-
-def _to_placements(dt: DTensor, placements, reduce_dtype: torch.dtype | None = None) -> DTensor:
-    placements = tuple(placements)
-    if tuple(dt.placements) == placements:
-        return dt
-    if reduce_dtype is not None and dt.dtype != reduce_dtype and any(
-            isinstance(p, Partial) and p != q for p, q in zip(dt.placements, placements)):
-        # the pending sum is taken in reduce_dtype (bf16 partials summed in fp32, or fp32 ones
-        # sent as bf16); the cast of a partial sum is applied to each addend, so it stays partial
-        return _to_placements(dt.to(reduce_dtype), placements).to(dt.dtype)
-    mesh = dt.device_mesh
-    # DTensor will not redistribute *to* Partial; do Replicate -> Partial here: the value stays on
-    # mesh coordinate 0 of that dim and is zero elsewhere, so the pending sum is exact.
-    to_partial = [d for d, p in enumerate(placements) if isinstance(p, Partial) and dt.placements[d] != p]
-    if not to_partial:
-        return _keep_layout(dt.redistribute(mesh, placements))
-    staged = tuple(Replicate() if d in to_partial else p for d, p in enumerate(placements))
-    if tuple(dt.placements) != staged:
-        dt = dt.redistribute(mesh, staged)
-    # a product with 1 there and 0 elsewhere, not zeros on some ranks only: every rank runs the
-    # same ops, its rank in integer arguments alone (what simulated ranks run: autoshard/runtime/simulate.py)
-    local = dt.to_local() * int(all(mesh.get_local_rank(d) == 0 for d in to_partial))
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=dt.shape, stride=dt.stride())
 
 
 def _mesh_device(mesh) -> torch.device:
@@ -106,11 +68,11 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
     local, the op run as on a smaller batch or fewer channels (sizes and groups made local), and
     the outputs wrapped as the planned placements of the whole tensors."""
     inputs = iter(strategy.inputs)
-    arg = lambda a: env[a] if a.op == "get_attr" else _to_placements(env[a], next(inputs), reduce_dtype).to_local()  # noqa: E731
+    arg = lambda a: env[a] if a.op == "get_attr" else to_placements(env[a], next(inputs), reduce_dtype).to_local()  # noqa: E731
     args = _torch.tree_map_only(fx.Node, arg, node.args)
     kwargs = _torch.tree_map_only(fx.Node, arg, node.kwargs)
     vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-    local = [costmodel.local_shape(v.shape, p, tuple(mesh.shape)) if p is not None else None
+    local = [local_shape(v.shape, p, tuple(mesh.shape)) if p is not None else None
              for v, p in zip(vals, strategy.outputs)]
     if node.target is torch.ops.aten.arange.default:
         args = (local[0][0],)
@@ -137,7 +99,7 @@ def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=N
             return a
         if a.op == "get_attr":   # a constant of the graph: every rank holds it whole
             return env[a]
-        return _to_placements(env[a], next(inputs), reduce_dtype)
+        return to_placements(env[a], next(inputs), reduce_dtype)
 
     args = _torch.tree_map_only(fx.Node, arg, node.args)
     kwargs = _torch.tree_map_only(fx.Node, arg, node.kwargs)
@@ -162,7 +124,7 @@ def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=N
         if isinstance(t, DTensor) and want is not None and tuple(t.placements) != want:
             # DTensor picked another output placement than planned for these inputs; honour the plan
             warnings.warn(f"autoshard: {node.name}: DTensor produced {t.placements}, plan says {want}")
-            t = _to_placements(t, want)
+            t = to_placements(t, want)
         fixed.append(t)
     return tuple(fixed) if isinstance(out, (tuple, list)) else fixed[0]
 
@@ -172,7 +134,7 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
     """The rank-local joint graph (see module doc). ``local_primals``: local params, buffers, inputs
     in placeholder order (example tensors, for tracing). Returns (graph, number of forward
     outputs, placements of each gradient output: one per parameter, None where it has no
-    gradient); :func:`to_storage` finishes each gradient."""
+    gradient); autoshard.collectives.to_storage finishes each gradient."""
     gm = traced.gm
     placeholders = gm.graph.find_nodes(op="placeholder")
     primal_nodes = [n for n in placeholders if n not in traced.tangents]
@@ -212,7 +174,7 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
                     # cast in the parameter's own placement, then move: the cast commutes with
                     # any gather exactly, so gathers move bf16 whatever placement the plan casts in
                     cast = node.target(env[node.args[0]], *node.args[1:], **node.kwargs)
-                    env[node] = _to_placements(cast, choice[node].outputs[0])
+                    env[node] = to_placements(cast, choice[node].outputs[0])
                 else:
                     env[node] = _run_node(node, env, choice[node], mesh,
                                           reduce_dtype if node in to_grads else None)
@@ -220,7 +182,7 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
                 # phases from graph order, so nothing of the forward may follow the backward.
                 for i, o in enumerate(traced.outputs):
                     if o is node:
-                        outs[i] = _to_placements(env[o], rep).to_local()
+                        outs[i] = to_placements(env[o], rep).to_local()
         grads = []
         grad_placements.clear()
         for name, _ in traced.params:
@@ -250,17 +212,6 @@ def _parameter_casts(traced) -> set[fx.Node]:
                     and val.dtype.itemsize < p.meta["val"].dtype.itemsize):
                 found.add(user)
     return found
-
-
-def to_storage(local_grad: torch.Tensor, placements, param: DTensor,
-               reduce_dtype: torch.dtype | None = None) -> DTensor:
-    """A gradient output of the local graph (this rank's piece, in ``placements``) moved to its
-    parameter's storage placement, as a DTensor like ``param``: DDP's all-reduce, FSDP's
-    reduce-scatter, or nothing where the placements agree. Through DTensor: the one-dim moves
-    go bucketed on local tensors (passes/bucket.py), which costs ~1 ms less per call on gloo."""
-    dt = DTensor.from_local(local_grad, param.device_mesh, placements, run_check=False,
-                            shape=param.shape, stride=param.stride())
-    return _to_placements(dt, param.placements, reduce_dtype)
 
 
 def _local_out_example(traced, i: int) -> torch.Tensor:

@@ -481,7 +481,8 @@ def capped(traced, plans):
 
 
 def test_memory_plot_peak_is_the_plans_peak(capped):
-    from autoshard.report.text import fmt_bytes, header_lines
+    from autoshard.report.format import fmt_bytes
+    from autoshard.report.text import header_lines
 
     curve_top = max(b for _, b in capped.memory_timeline)
     assert capped.peak_memory > curve_top            # the two models differ here: the case the label got wrong
@@ -494,7 +495,7 @@ def test_memory_plot_peak_is_the_plans_peak(capped):
 
 def test_memory_plot_counts_the_recomputed_term(plans):
     """As in a recompute plan: the timeline tops out at the peak less the recomputed values."""
-    from autoshard.report.text import fmt_bytes
+    from autoshard.report.format import fmt_bytes
 
     _, free, _ = plans
     p = copy.deepcopy(free)

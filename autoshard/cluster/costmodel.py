@@ -36,7 +36,14 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autoshard import collectives
 from autoshard.passes.annotate import META_KEY as COST_KEY, tensor_bytes
+
+# Which gradient reductions and gathers go in flat buckets is the runtime's rule
+# (autoshard/collectives.py); the solver prices a move as bucketed by that same rule, named here,
+# so a plan never counts on a bucket the program would not make.
+bucket_move, grad_bucket_move = collectives.bucket_move, collectives.grad_bucket_move
+splits_evenly = collectives.splits_evenly
 
 
 @dataclass(frozen=True)
@@ -94,24 +101,6 @@ def communicates(src, dst) -> bool:
         for a, b in zip(src, dst))
 
 
-def bucket_move(src, dst):
-    """How a gradient's move to storage goes in one flat collective with others (DDP's and FSDP's
-    buckets): ("all_reduce", mesh dims) when it sums partials on those dims into Replicate,
-    ("reduce_scatter", mesh dim, k) when it sums a partial on one mesh dim into a Shard(k) that no
-    other mesh dim splits; None for any other move (or none)."""
-    moved = [d for d, (a, b) in enumerate(zip(src, dst)) if a != b]
-    if not moved or not all(isinstance(src[d], Partial) and src[d].reduce_op == "sum" for d in moved):
-        return None
-    if all(isinstance(dst[d], Replicate) for d in moved):
-        return "all_reduce", tuple(moved)
-    if len(moved) != 1:
-        return None
-    (d,) = moved
-    if type(dst[d]) is Shard and dst[d] not in dst[:d] + dst[d + 1:]:
-        return "reduce_scatter", d, dst[d].dim
-    return None
-
-
 def resharding_time(cluster, src, dst, nbytes: float, bucketed: bool = False) -> float:
     return sum(c.time for c in resharding(cluster, src, dst, nbytes, bucketed))
 
@@ -158,32 +147,3 @@ def optimizer_time(cluster, param, strategy, trained: bool = True) -> float:
 def local_bytes(nbytes: float, placements, mesh_shape) -> float:
     """Bytes one rank holds of a tensor with these placements (Partial holds a full copy)."""
     return nbytes / _shard_factor(placements, mesh_shape, -1) if placements is not None else nbytes
-
-
-def local_shape(shape, placements, mesh_shape) -> tuple[int, ...]:
-    """The shape of one rank's shard (even sharding: every sharded dim divides)."""
-    out = list(shape)
-    for p, m in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
-            out[p.dim] //= m
-    return tuple(out)
-
-
-def splits_evenly(shape, placements, mesh_shape) -> bool:
-    """Whether every rank's piece of a tensor of ``shape`` at ``placements`` has the same shape:
-    each sharded dim divides by the product of the mesh dims that split it."""
-    split: dict[int, int] = {}
-    for p, m in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
-            split[p.dim] = split.get(p.dim, 1) * m
-    return all(shape[k] % n == 0 for k, n in split.items())
-
-
-def grad_bucket_move(shape, src, dst, mesh_shape):
-    """:func:`bucket_move` of a gradient of ``shape``, or None when its pieces, before or after,
-    differ in shape across ranks: a flat bucket's layout must be the same on every rank, so the
-    runtime moves such a gradient on its own (passes/bucket.py: bucketable)."""
-    how = bucket_move(src, dst)
-    if how is None or not (splits_evenly(shape, src, mesh_shape) and splits_evenly(shape, dst, mesh_shape)):
-        return None
-    return how

@@ -1,7 +1,8 @@
 """The plan as a graph: Graphviz DOT, an inline-SVG drawing laid out with networkx, the memory
 plot and the self-contained HTML report that holds them (no script, no external link).
 
-Text tables and the helpers shared with them live in :mod:`autoshard.report.text`.
+Text tables live in :mod:`autoshard.report.text`, how a value reads in either in
+:mod:`autoshard.report.format`.
 """
 
 from __future__ import annotations
@@ -10,24 +11,9 @@ import html
 import math
 import re
 
-from autoshard.report.text import (  # noqa: F401
-    _COMM,
-    _UNPLANNED,
-    comm_str,
-    fmt_bytes,
-    fmt_time,
-    header_lines,
-    memory_rows,
-    node_groups,
-    node_label,
-    output_placement,
-    per_dim,
-    placement_colour,
-    shard_factor,
-    short_op,
-    shown_comm,
-    storage_rows,
-)
+from autoshard.report.format import (COMM_COLOUR, UNPLANNED_COLOUR, comm_str, fmt_bytes, fmt_time, node_label,
+                                     output_placement, per_dim, placement_colour, shard_factor, short_op, shown_comm)
+from autoshard.report.text import header_lines, memory_rows, node_groups, storage_rows
 
 
 # ---------------------------------------------------------------------- graph: DOT
@@ -100,15 +86,15 @@ def to_dot(plan, *, aten: bool = False, layer: int | None = None, module: str | 
                  f"tooltip={_q(n.strategy)}", f"style={_q('filled,dashed' if n.recompute else 'filled')}"]
         if n.name in on_node:
             attrs += [f"xlabel={_q(chr(10).join(comm_str(plan, c) for c in on_node[n.name]))}", "peripheries=2",
-                      f"color={_q(_COMM)}"]
+                      f"color={_q(COMM_COLOUR)}"]
         out.append(f"  {_q(n.name)} [{', '.join(attrs)}];")
     for name in dict.fromkeys(x for e in edges for x in e):
         if name not in by_name:
-            out.append(f"  {_q(name)} [label={_q(name)}, fillcolor={_q(_UNPLANNED)}, style=dotted];")
+            out.append(f"  {_q(name)} [label={_q(name)}, fillcolor={_q(UNPLANNED_COLOUR)}, style=dotted];")
     for a, b in edges:
         comm = on_edge.get((a, b))
-        attrs = (f" [label={_q(chr(10).join(comm_str(plan, c) for c in comm))}, color={_q(_COMM)}, "
-                 f"fontcolor={_q(_COMM)}, penwidth=2]") if comm else ""
+        attrs = (f" [label={_q(chr(10).join(comm_str(plan, c) for c in comm))}, color={_q(COMM_COLOUR)}, "
+                 f"fontcolor={_q(COMM_COLOUR)}, penwidth=2]") if comm else ""
         out.append(f"  {_q(a)} -> {_q(b)}{attrs};")
     out.append("}")
     return "\n".join(out) + "\n"
@@ -188,7 +174,7 @@ def graph_svg(plan, svg_id: str = "plan-graph") -> str:
         if comm:
             label = "; ".join(comm_str(plan, c) for c in comm)
             out.append(f'<g class="comm"><title>{e(a)} -> {e(b)}: {e(label)}</title>'
-                       f'<path d="{d}" fill="none" stroke="{_COMM}" stroke-width="2" stroke-opacity="0.8"{dash} '
+                       f'<path d="{d}" fill="none" stroke="{COMM_COLOUR}" stroke-width="2" stroke-opacity="0.8"{dash} '
                        f'marker-end="url(#arrow)"/><text x="{x2 + 6:.0f}" y="{y2 - 4:.0f}" class="elabel">'
                        f'{e(", ".join(dict.fromkeys(c["kind"] for c in comm)))}</text></g>')
         else:
@@ -199,7 +185,7 @@ def graph_svg(plan, svg_id: str = "plan-graph") -> str:
         tip = (f"{name} ({n.op}, {n.phase})\n{n.strategy}\ncompute {fmt_time(n.compute)}"
                + "".join(f"\n{comm_str(plan, c)}" for c in shown_comm(plan, n))) if n else f"{name} (not planned)"
         dash = ' stroke-dasharray="4 3"' if n and n.recompute else ""
-        stroke = _COMM if name in on_node else "#555"
+        stroke = COMM_COLOUR if name in on_node else "#555"
         short = name if len(name) <= 20 else name[:19] + "…"
         out.append(f'<g class="node"><title>{e(tip)}</title><rect x="{x:.0f}" y="{y:.0f}" width="{_W}" '
                    f'height="{_H}" rx="4" fill="{placement_colour(pl)}" stroke="{stroke}"{dash}/>'
@@ -356,13 +342,13 @@ def _peak_and_cap(plan, points, xs, ys, left: float, right_x: float, top_y: floa
     x = max(left + 2, min(xs(i), right_x - 6.5 * len(text)))
     out.append(f'<text class="peak-label" x="{x:.1f}" y="{peak_y:.1f}" fill="#08306b">{e(text)}</text>')
     if cap and not on_scale:
-        out.append(f'<text class="cap" x="{right_x - 4}" y="{top_y - 8:.0f}" text-anchor="end" fill="{_COMM}">cap '
-                   f'{fmt_bytes(cap)} (above this scale; the peak uses {peak / cap:.1%})</text>')
+        out.append(f'<text class="cap" x="{right_x - 4}" y="{top_y - 8:.0f}" text-anchor="end" '
+                   f'fill="{COMM_COLOUR}">cap {fmt_bytes(cap)} (above this scale; the peak uses {peak / cap:.1%})</text>')
     elif cap:
         cap_y = _label_y(yc, [(yp, yp), _box(peak_y)])
-        out.append(f'<line class="cap" x1="{left}" y1="{yc:.1f}" x2="{right_x}" y2="{yc:.1f}" stroke="{_COMM}" '
+        out.append(f'<line class="cap" x1="{left}" y1="{yc:.1f}" x2="{right_x}" y2="{yc:.1f}" stroke="{COMM_COLOUR}" '
                    f'stroke-width="1.5" stroke-dasharray="6 4"/><text class="cap-label" x="{right_x - 4}" '
-                   f'y="{cap_y:.1f}" text-anchor="end" fill="{_COMM}">cap {fmt_bytes(cap)}</text>')
+                   f'y="{cap_y:.1f}" text-anchor="end" fill="{COMM_COLOUR}">cap {fmt_bytes(cap)}</text>')
     return out
 
 

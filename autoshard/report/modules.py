@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from autoshard.report.text import _ranges, fmt_bytes, fmt_time, parse_strategy, short_op
+from autoshard.report.format import fmt_bytes, fmt_time, parse_strategy, ranges, short_op
 
 ROOT = "(model)"
 
@@ -29,11 +29,11 @@ class Block:
 
     @property
     def key(self) -> str:
-        return f"{self.container}[{_ranges(self.layers)}]"
+        return f"{self.container}[{ranges(self.layers)}]"
 
     @property
     def title(self) -> str:
-        return f"{self.container}.{_ranges(self.layers)}  x {len(self.layers)}"
+        return f"{self.container}.{ranges(self.layers)}  x {len(self.layers)}"
 
 
 @dataclass

@@ -4,9 +4,10 @@ rest, forward and backward time and its collectives), the ATen nodes, storage an
 
 from __future__ import annotations
 
+from autoshard.report.format import export, recording_console, shown_comm
 from autoshard.report.modules import Folded, aggregate, fold, group_lines, out_placements, storage_badges
-from autoshard.report.text import (PY_HINTS, _console, _nodes_table, export, gaps_table, header_lines, memory_table,
-                                   node_groups, shown_comm, storage_table)
+from autoshard.report.text import (PY_HINTS, gaps_table, header_lines, memory_table, node_groups, nodes_table,
+                                   storage_table)
 
 
 def modules_table(plan, folded: Folded, max_rows: int | None = None):
@@ -46,12 +47,12 @@ def summary_text(plan, max_rows: int | None = 40, width: int = 160, hints: dict 
     from rich.markup import escape
 
     hints = hints or PY_HINTS
-    console = _console(width)
+    console = recording_console(width)
     for line in header_lines(plan):
         console.print(escape(line))
     console.print(modules_table(plan, fold(plan), max_rows))
     groups, hidden = node_groups(plan, max_rows, fold=max_rows is not None)
-    console.print(_nodes_table(plan, groups, max_rows))
+    console.print(nodes_table(plan, groups, max_rows))
     notes = []
     if hidden:
         notes.append(f"{hidden} cheaper nodes not shown ({hints['all']} shows all)")

@@ -1,135 +1,28 @@
-"""Reading a plan: text tables, Graphviz DOT and a self-contained HTML report.
+"""Reading a plan in the terminal: the row model and the text tables (header, nodes, storage,
+memory, coverage gaps) and a diff of two plans.
 
-Everything here is a pure function of a :class:`~autoshard.planning.plan.Plan` (plus networkx for the
-layout); nothing reaches the network or runs an external program. One row model feeds the text
-table and the HTML table, so the two always agree.
+Everything here is a pure function of a :class:`~autoshard.planning.plan.Plan`; nothing reaches
+the network or runs an external program. One row model feeds the text table and the HTML table,
+so the two always agree; how each value reads is :mod:`autoshard.report.format`'s.
 
     text = summary_text(plan, max_rows=20)   # report/summary.py: what plan.summary() returns
-    dot = to_dot(plan)                        # parses with pydot / networkx.nx_pydot
+    dot = to_dot(plan)                        # report/html.py; parses with pydot / networkx.nx_pydot
     page = to_html(plan)                      # inline SVG graph + memory plot + tables, no <script>
-
-Colours are keyed by the output placement string through a hash, so "(S(0),R)" has the same
-colour in every plan and every file; all-replicated outputs are grey.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from dataclasses import dataclass, field
 
-from autoshard.notation import split_top
+from autoshard.report.format import (comm_str, export, fmt_bytes, fmt_time, node_label, per_dim, ranges,
+                                     recording_console, shard_factor, short_op, shown_comm)
 
 PHASES = {"input": "parameters and inputs", "fwd": "forward", "bwd": "backward", "optim": "optimizer"}
-_PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
-            "#bc80bd", "#ccebc5", "#ffed6f", "#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854",
-            "#ffd92f", "#e5c494", "#b3e2cd", "#f4cae4")
-_REPLICATED, _UNPLANNED, _COMM = "#e0e0e0", "#ffffff", "#d62728"
 
 
 # ---------------------------------------------------------------------- small helpers
-def fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(b) < 1024 or unit == "TiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
-        b /= 1024
-    return ""  # unreachable
-
-
-def fmt_time(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if abs(s) < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    return f"{s * 1e3:.3f} ms" if abs(s) < 1 else f"{s:.3f} s"
-
-
-def short_op(op: str) -> str:
-    """"aten.addmm.default" -> "addmm"; "aten.add.Tensor" -> "add.Tensor"."""
-    parts = op.split(".")
-    if len(parts) >= 2 and parts[0] in ("aten", "prims", "_c10d_functional"):
-        return parts[1] if len(parts) == 2 or parts[2] == "default" else f"{parts[1]}.{parts[2]}"
-    return op
-
-
-def _groups(text: str) -> list[str]:
-    """Top-level parenthesised groups: "(S(0),R),(R,R)" -> ["S(0),R", "R,R"]."""
-    out, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "(":
-            depth += 1
-            if depth == 1:
-                start = i + 1
-        elif ch == ")":
-            depth -= 1
-            if depth == 0:
-                out.append(text[start:i])
-    return out
-
-
-def parse_strategy(strategy: str, ndim: int) -> tuple[list[list[str]], list[list[str]]] | None:
-    """"(S(0),R),(R,R)->(S(0),R)" -> (inputs, outputs), each a list of per-mesh-dim placements;
-    None when the string has another form."""
-    if "->" not in strategy:
-        return None
-    lhs, rhs = strategy.split("->", 1)
-    ins, outs = [split_top(g) for g in _groups(lhs)], [split_top(g) for g in _groups(rhs)]
-    if any(len(p) != ndim for p in ins + outs):
-        return None
-    return ins, outs
-
-
-def output_placement(strategy: str) -> str:
-    """The first output's placements, "(S(0),R)", or "" when there is none."""
-    groups = _groups(strategy.split("->", 1)[1]) if "->" in strategy else []
-    return f"({groups[0]})" if groups else ""
-
-
-def placement_colour(placement: str) -> str:
-    if not placement:
-        return _UNPLANNED
-    if all(p == "R" for p in split_top(placement.strip("()"))):
-        return _REPLICATED
-    return _PALETTE[int(hashlib.sha256(placement.encode()).hexdigest(), 16) % len(_PALETTE)]
-
-
-def per_dim(plan, strategy: str) -> list[str]:
-    """One "ins -> outs" cell per mesh dim, or the raw strategy in the first cell."""
-    ndim = len(plan.mesh_shape)
-    parsed = parse_strategy(strategy, ndim)
-    if parsed is None:
-        return [strategy] + [""] * (ndim - 1)
-    ins, outs = parsed
-    return [(_runs([p[d] for p in ins]) + " -> " + _runs([p[d] for p in outs])).strip() for d in range(ndim)]
-
-
-def _runs(items: list[str]) -> str:
-    """["S(0)", "S(0)", "S(0)", "R"] -> "3×S(0),R": runs of three or more are counted."""
-    out, i = [], 0
-    while i < len(items):
-        j = i
-        while j < len(items) and items[j] == items[i]:
-            j += 1
-        out += [f"{j - i}×{items[i]}"] if j - i >= 3 else items[i:j]
-        i = j
-    return ",".join(out)
-
-
-def shown_comm(plan, node) -> list[dict]:
-    """Collectives worth showing: those over a mesh dim of one rank move nothing."""
-    return [c for c in node.comm if plan.mesh_shape[int(c["mesh_dim"])] > 1 or c["time"] > 0]
-
-
-def comm_str(plan, c: dict) -> str:
-    text = (f"{c['kind']} {plan.mesh_dim_names[int(c['mesh_dim'])]} {fmt_bytes(c['bytes'])} "
-            f"{fmt_time(c['time'])}")
-    hidden = c.get("exposed", c["time"]) < c["time"] * (1 - 1e-9)  # show only what overlap changed
-    return text + (f" (exposed {fmt_time(c['exposed'])})" if hidden else "")
-
-
 def node_cost(node) -> float:
     return node.compute + sum(c["time"] for c in node.comm)
 
@@ -175,7 +68,7 @@ def layers_title(phase: str, layers: list[int]) -> str:
     if not layers:
         return base
     return f"{base}, layer {layers[0]}" if len(layers) == 1 else \
-        f"{base}, layers {_ranges(layers)} x {len(layers)}"
+        f"{base}, layers {ranges(layers)} x {len(layers)}"
 
 
 def _raw_groups(plan, fold: bool) -> list[tuple[str, list[int], list[list]]]:
@@ -249,25 +142,13 @@ def header_lines(plan) -> list[str]:
 
 
 # ---------------------------------------------------------------------- text (rich)
-def _console(width: int):
-    import io
-
-    from rich.console import Console
-
-    return Console(width=width, record=True, file=io.StringIO(), color_system=None, force_terminal=False)
-
-
-def export(console) -> str:
-    """The recorded text without the spaces rich pads a title line with to the full width."""
-    return "".join(line.rstrip() + "\n" for line in console.export_text().splitlines())
-
-
 # How a reader asks for every row: a Python caller and the command line are told differently.
 PY_HINTS = {"all": "summary(expand=True)", "diff_more": "PlanDiff.nodes has them all"}
 CLI_HINTS = {"all": "--all", "diff_more": "--max-rows N shows more"}
 
 
-def _nodes_table(plan, groups: list[Group], max_rows: int | None):
+def nodes_table(plan, groups: list[Group], max_rows: int | None):
+    """The ATen nodes, one section per group of :func:`node_groups`."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -290,29 +171,10 @@ def _nodes_table(plan, groups: list[Group], max_rows: int | None):
     return table
 
 
-def shard_factor(plan, placements: str) -> int:
-    f = 1
-    for p, m in zip(split_top(placements.strip("()")), plan.mesh_shape):
-        f *= m if p.startswith("S") else 1
-    return f
-
-
 def natural_key(name: str) -> tuple:
     """"blocks.2.w" before "blocks.10.w": digit runs compare as numbers (a saved plan's storage
     comes back in text order)."""
     return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t)
-
-
-def _ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    out, start = [], None
-    for i, k in enumerate(indices):
-        if start is None:
-            start = k
-        if i + 1 == len(indices) or indices[i + 1] != k + 1:
-            out.append(str(start) if start == k else f"{start}-{k}")
-            start = None
-    return ",".join(out)
 
 
 def storage_rows(plan) -> list[tuple[str, str, int]]:
@@ -333,7 +195,7 @@ def storage_rows(plan) -> list[tuple[str, str, int]]:
     where = lambda first: (rank.get(first, len(rank)), natural_key(first))  # noqa: E731
     rows = [(where(name), (name, pl, 1)) for name, pl in alone]
     for (key, pl), layers in groups.items():
-        name = key.replace("*", str(layers[0]) if len(layers) == 1 else f"[{_ranges(layers)}]", 1)
+        name = key.replace("*", str(layers[0]) if len(layers) == 1 else f"[{ranges(layers)}]", 1)
         rows.append((where(key.replace("*", str(layers[0]), 1)), (name, pl, len(layers))))
     return [row for _, row in sorted(rows)]
 
@@ -386,12 +248,6 @@ def memory_table(plan):
     return t
 
 
-def node_label(plan_or_names, name: str) -> str:
-    """A node's name, with the parameter it holds where the plan knows it: "primals_3 (h.0.attn.weight)"."""
-    names = plan_or_names if isinstance(plan_or_names, dict) else getattr(plan_or_names, "param_names", {}) or {}
-    return f"{name} ({names[name]})" if name in names else name
-
-
 @dataclass
 class DiffRow:
     change: object       # NodeChange of the first layer the row stands for
@@ -425,7 +281,7 @@ def diff_text(d, max_rows: int = 100, width: int = 160, hints: dict | None = Non
         rel = f", {(b - a) / a:+.1%}" if a else ""
         return f"{fmt(a)} -> {fmt(b)} ({'+' if b >= a else '-'}{fmt(abs(b - a))}{rel})"
 
-    console = _console(width)
+    console = recording_console(width)
     console.print(f"plan diff (a -> b): same graph: {'yes' if d.same_graph else 'NO'}, "
                   f"same cluster: {'yes' if d.same_cluster else 'NO'}")
     for label, pair, fmt in (("step time", d.step_time, fmt_time), ("compute", d.compute_time, fmt_time),
@@ -465,7 +321,7 @@ def _diff_table(d, rows: list[DiffRow], total: int):
         c = r.change
         rc = f"{c.recompute_a} -> {c.recompute_b}" if c.recompute_a != c.recompute_b else ""
         layers = "" if not r.layers else (str(r.layers[0]) if len(r.layers) == 1 else
-                                           f"{_ranges(sorted(r.layers))} x {len(r.layers)}")
+                                           f"{ranges(sorted(r.layers))} x {len(r.layers)}")
         name = f"{c.name} ({c.param})" if c.param else c.name
         t.add_row(escape(name), layers, escape(short_op(c.op)), escape(c.a), escape(c.b), rc,
                   f"{fmt_time(c.time_a)} -> {fmt_time(c.time_b)}",

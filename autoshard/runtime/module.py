@@ -28,11 +28,12 @@ optimizer step (AdamW's default on GPUs) fail ("got mixed torch.Tensor and DTens
 
 Gradients: the backward graph that runs on a synchronizing backward reduces each block's
 gradients into storage (all-reduce, reduce-scatter) as soon as the block's last one is made, one
-flat collective per bucket (passes/bucket.py), and hands them over reduced. Inside
-:meth:`DistributedModule.no_sync` (or on all but every ``grad_accumulation``-th backward) the
-plain backward graph runs instead: it leaves each gradient as its last op made it (possibly an
-unreduced partial sum), the unreduced gradients are summed locally and moved once, after the
-next synchronizing backward (with its own, through the plain graph), as DDP's ``no_sync`` does.
+flat collective per bucket (passes/bucket.py puts autoshard/collectives.py's calls in it), and
+hands them over reduced. Inside :meth:`DistributedModule.no_sync` (or on all but every
+``grad_accumulation``-th backward) the plain backward graph runs instead: it leaves each gradient
+as its last op made it (possibly an unreduced partial sum), the unreduced gradients are summed
+locally and moved once, after the next synchronizing backward (with its own, through the plain
+graph, in flat buckets by autoshard/collectives.py), as DDP's ``no_sync`` does.
 
 ``load_state_dict`` takes DTensor values in any placement (redistributed to this plan's) or plain
 full tensors (each rank keeps its shard), and names every missing, unexpected or misshapen entry
@@ -51,9 +52,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autoshard import _torch
-from autoshard.cluster.costmodel import local_shape
+from autoshard.collectives import gather_many, local_shape, to_storage_many
 from autoshard.errors import RuntimeMismatchError
-from autoshard.passes.bucket import gather_many, to_storage_many
 
 
 # Optimizer steps taken in this process: a foreach or fused step (AdamW's default on GPUs)
@@ -197,7 +197,7 @@ class DistributedModule(nn.Module):
         """The graph's parameter inputs: storage shards, or for a parameter the plan gathers once per
         step (ZeRO-1/2, FSDP without resharding after forward) its working copy, kept until the
         stored values change (a load bumps their version; optimizer steps are counted). The stale
-        ones are gathered together (rewrite.gather_many: one collective per bucket)."""
+        ones are gathered together (collectives.gather_many: one collective per bucket)."""
         if not self._working:
             return primals
         primals, cache = list(primals), self.__dict__["_working_cache"]
