@@ -586,7 +586,7 @@ def working_copies(mm: MemoryModel, choice: dict, mesh_shape) -> float:
 def in_backward(mm: MemoryModel, e, q, p) -> bool:
     """Whether backward itself reduces gradient edge ``e`` moving from q to its storage placement
     p (the module docstring's "Buckets"): a bucketable move whose pieces are alike on every rank
-    (passes/bucket.py: bucketable); an uneven one is handed over and moved after backward."""
+    (autoshard/collectives.py: bucketable); an uneven one is handed over and moved after backward."""
     return mm.reduce_in_backward and e.in_bucket(q, p, mm.mesh_shape)
 
 
@@ -603,7 +603,7 @@ def delivered(mm: MemoryModel, e, q, p) -> float:
     """Bytes gradient edge ``e`` holds at the end of backward when backward hands it over
     unreduced (not :func:`in_backward`) to move from placement q to its storage placement p: the
     gradient (local, at q) and, when that moves, its copy in the runtime's flat bucket (in the
-    wire dtype) and a reduce-scatter's result (at p); an all-reduce sums in place (passes/bucket.py:
+    wire dtype) and a reduce-scatter's result (at p); an all-reduce sums in place (autoshard/collectives.py:
     to_storage_many). Where q is p the gradient handed over is the parameter's, counted in G."""
     if q == p or in_backward(mm, e, q, p):
         return 0.0
