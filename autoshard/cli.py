@@ -232,7 +232,7 @@ def cmd_diff(args) -> int:
     from autoshard.planning.plan import Plan
 
     a, b = Plan.load(args.a), Plan.load(args.b)
-    print(report.diff_text(a.diff(b), max_rows=args.max_rows, width=width(), hints=report.CLI_HINTS))
+    print(report.diff_text(a.diff(b), max_rows=args.max_rows, width=width(), hints=report.CLI_HINTS, by=args.by))
     return 0
 
 
@@ -292,10 +292,13 @@ def parser() -> argparse.ArgumentParser:
 
     df = sub.add_parser("diff", help="compare two saved plans", description="The change in predicted time and "
                         "memory, then the nodes whose strategy or recompute mark differ, largest change to the step "
-                        "time first (alike layers folded), and the parameters stored differently.")
+                        "time (or, with --by memory, to the bytes they hold) first, alike layers folded, and the "
+                        "parameters stored differently, largest change to the bytes they hold first.")
     df.add_argument("a", metavar="A.json")
     df.add_argument("b", metavar="B.json")
     df.add_argument("--max-rows", type=int, default=100, metavar="N", help="node rows (default 100)")
+    df.add_argument("--by", choices=["time", "memory"], default="time",
+                    help="rank changed nodes by their change to the step time (default) or to the bytes they hold")
     df.set_defaults(run=cmd_diff)
 
     cl = sub.add_parser("clusters", help="list cluster presets", description="List the cluster presets "

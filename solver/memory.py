@@ -704,11 +704,13 @@ PARTS = ("state", "grads", "optimizer_step", "activations", "recomputed", "trans
 class Breakdown(dict):
     """Bytes per device of the peak moment by part (:data:`PARTS`; they sum to the peak);
     ``moment``, its name: "forward", a backward phase's, "end of backward" or "optimizer step";
-    ``saved``, the bytes forward saves for backward (A, all live when forward ends)."""
+    ``saved``, the bytes forward saves for backward (A, all live when forward ends), and
+    ``saved_by_node`` those bytes by the node that made them (:func:`saved_bytes`)."""
 
-    def __init__(self, parts: dict[str, float], moment: str, saved: float = 0.0):
+    def __init__(self, parts: dict[str, float], moment: str, saved: float = 0.0,
+                 saved_by_node: dict | None = None):
         super().__init__(parts)
-        self.moment, self.saved = moment, saved
+        self.moment, self.saved, self.saved_by_node = moment, saved, saved_by_node or {}
 
 
 def moments(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict[str, dict[str, float]]:
@@ -741,7 +743,7 @@ def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set
     by part."""
     every = moments(mm, choice, recompute)
     name = max(every, key=lambda k: sum(every[k].values()))
-    return Breakdown(every[name], name, every["forward"]["activations"])
+    return Breakdown(every[name], name, every["forward"]["activations"], saved_bytes(mm, choice, recompute))
 
 
 def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recompute: set) -> list[tuple[str, float]]:

@@ -204,6 +204,11 @@ def test_diff_in_process(runs, capsys):
     assert "same decisions" in capsys.readouterr().out
     assert cli.main(["diff", str(d / "x.json"), str(d / "corrupt.json")]) == 1
     assert "corrupt.json" in capsys.readouterr().err
+    assert cli.main(["diff", str(d / "x.json"), str(d / "y.json"), "--by", "memory"]) == 0
+    assert "largest change to the bytes held first" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["diff", str(d / "x.json"), str(d / "y.json"), "--by", "bytes"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_show_converts_a_saved_plan(runs, tmp_path, capsys):

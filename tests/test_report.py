@@ -457,6 +457,59 @@ def test_diff_rows_add_up(plans, sharded):
     assert impacts == sorted(impacts, reverse=True)
 
 
+def _local_bytes(val, placements: str, mesh_size: int) -> float:
+    """Bytes of one rank's piece of ``val`` on a 1-D mesh: split in ``mesh_size`` when sharded."""
+    return val.numel() * val.element_size() / (mesh_size if "S(" in placements else 1)
+
+
+def test_nodes_hold_their_parameters_and_saved_activations(traced, plans, capped):
+    """NodeDecision.memory by hand: a parameter holds its piece at rest four times (itself, its
+    gradient, AdamW's two moments) and its working copy when that is placed otherwise; a forward
+    node holds its output's piece when backward reads it unrecomputed; the saved ones add up to
+    the plan's saved_for_backward."""
+    vals = {n.name: n.meta.get("val") for n in traced.gm.graph.nodes}
+    for plan in (plans[1], plans[2], capped):
+        for n in plan.nodes:
+            if n.name in plan.param_names:
+                val, rest, work = vals[n.name], plan.storage[plan.param_names[n.name]], n.strategy.split("->")[1]
+                expect = 4 * _local_bytes(val, rest, 2) + (_local_bytes(val, work, 2) if work != rest else 0.0)
+                assert n.memory == pytest.approx(expect), (n.name, rest, work)
+        saved = [n for n in plan.nodes if n.phase == "fwd" and n.name not in plan.param_names and n.memory > 0]
+        assert saved and not any(n.recompute for n in saved)
+        assert sum(n.memory for n in saved) == pytest.approx(plan.saved_for_backward)
+        for n in saved:
+            out = n.strategy.split("->")[1]
+            if isinstance(vals[n.name], torch.Tensor) and out.count("(") == 1:   # one output
+                assert n.memory == pytest.approx(_local_bytes(vals[n.name], out, 2)), n.name
+    assert any(n.recompute for n in capped.nodes)
+
+
+def test_diff_ranks_by_memory_change(plans, capped):
+    """Ranked by the bytes held: the rows' changes add up to the nodes' own, largest first; a
+    recomputed node gives up what it held; parameters stored otherwise show their change too."""
+    from autoshard.report.text import diff_rows, diff_text
+
+    _, free, _ = plans
+    d = free.diff(capped)
+    rows = diff_rows(d, by="memory")
+    assert sum(r.memory for r in rows) == pytest.approx(sum(c.memory_b - c.memory_a for c in d.nodes))
+    held = [abs(r.memory) for r in rows]
+    assert held == sorted(held, reverse=True) and held[0] > 0
+    flipped = [c for c in d.nodes if not c.recompute_a and c.recompute_b and c.memory_a > 0]
+    assert flipped and all(c.memory_b == 0 for c in flipped)
+    a, b = {n.name: n for n in free.nodes}, {n.name: n for n in capped.nodes}
+    assert all(c.module == (a[c.name].module or b[c.name].module) for c in d.nodes)
+    assert any("blocks." in (c.module or "") for c in d.nodes)
+    text = diff_text(d, width=300, by="memory")
+    assert "largest change to the bytes held first" in text and "memory change" in text
+    assert d.storage_memory and set(d.storage_memory) == set(d.storage)
+    for param, (ma, mb) in d.storage_memory.items():
+        node = next(k for k, v in free.param_names.items() if v == param)
+        assert (ma, mb) == (a[node].memory, b[node].memory)
+    with pytest.raises(ValueError, match="by must be one of"):
+        diff_rows(d, by="bytes")
+
+
 # ---------------------------------------------------------------------------- the memory plot
 def _svg(plan):
     import xml.etree.ElementTree as ET

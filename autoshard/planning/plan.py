@@ -35,6 +35,9 @@ class NodeDecision:
     recompute: bool = False        # forward activation recomputed in backward instead of saved
     layer: int | None = None       # which copy of a repeated block the node is in (None: not repeated)
     module: str | None = None      # path of the module that made it (planning/modules.py); None: unknown
+    memory: float = 0.0            # bytes per device it holds: a parameter across the step (at rest,
+                                   # its gradient and optimizer state, a kept working copy), an
+                                   # activation from forward to backward (saved, not recomputed)
 
 
 @dataclass
@@ -180,17 +183,20 @@ class Plan:
         mine, theirs = {n.name: n for n in self.nodes}, {n.name: n for n in other.nodes}
         changed = [NodeChange(n.name, n.op, n.strategy, theirs[n.name].strategy, n.recompute, theirs[n.name].recompute,
                               _cost(n), _cost(theirs[n.name]), n.phase, n.layer,
-                              self.param_names.get(n.name) or other.param_names.get(n.name))
+                              self.param_names.get(n.name) or other.param_names.get(n.name),
+                              n.memory, theirs[n.name].memory, n.module or theirs[n.name].module)
                    for n in self.nodes if n.name in theirs
                    and (n.strategy, n.recompute) != (theirs[n.name].strategy, theirs[n.name].recompute)]
         keys = list(self.storage) + [k for k in other.storage if k not in self.storage]
         storage = {k: (self.storage.get(k), other.storage.get(k)) for k in keys
                    if self.storage.get(k) != other.storage.get(k)}
+        held_a, held_b = _held_by_param(self), _held_by_param(other)
         mem_keys = list(self.memory) + [k for k in other.memory if k not in self.memory]
         return PlanDiff(
             same_graph=self.fingerprint == other.fingerprint, same_cluster=self.cluster == other.cluster,
             nodes=changed, only_in_a=[n.name for n in self.nodes if n.name not in theirs],
             only_in_b=[n.name for n in other.nodes if n.name not in mine], storage=storage,
+            storage_memory={k: (held_a.get(k, 0.0), held_b.get(k, 0.0)) for k in storage},
             step_time=(self.step_time, other.step_time), compute_time=(self.compute_time, other.compute_time),
             comm_time=(self.comm_time, other.comm_time), peak_memory=(self.peak_memory, other.peak_memory),
             memory={k: (self.memory.get(k, 0.0), other.memory.get(k, 0.0)) for k in mem_keys})
@@ -198,6 +204,10 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan(step_time={self.step_time * 1e3:.3f} ms, peak_memory={self.peak_memory / 2**30:.2f} GiB, "
                 f"mesh={self.mesh_shape}, nodes={len(self.nodes)}, fallbacks={len(self.fallbacks)})")
+
+
+def _held_by_param(plan: Plan) -> dict[str, float]:
+    return {plan.param_names[n.name]: n.memory for n in plan.nodes if n.name in plan.param_names}
 
 
 def _cost(n: NodeDecision) -> float:
@@ -218,6 +228,9 @@ class NodeChange:
     phase: str = ""
     layer: int | None = None
     param: str | None = None   # the parameter a placeholder holds, where the plan knows it
+    memory_a: float = 0.0   # bytes per device the node holds in the first plan (NodeDecision.memory)
+    memory_b: float = 0.0
+    module: str | None = None   # the module that made it (NodeDecision.module)
 
 
 @dataclass
@@ -235,6 +248,7 @@ class PlanDiff:
     comm_time: tuple[float, float]
     peak_memory: tuple[float, float]
     memory: dict[str, tuple[float, float]]
+    storage_memory: dict[str, tuple[float, float]] = field(default_factory=dict)  # parameter -> bytes held (a, b)
 
     @property
     def identical(self) -> bool:
@@ -300,6 +314,7 @@ def _check_doc(d: dict) -> None:
         _need(isinstance(n.get("recompute", False), bool), where, "'recompute' must be true or false")
         _need(n.get("layer") is None or isinstance(n.get("layer"), int), where, "'layer' must be an int or null")
         _need(n.get("module") is None or isinstance(n.get("module"), str), where, "'module' must be a string or null")
+        _need(_is_num(n.get("memory", 0.0)), where, "'memory' must be a number")
         for j, c in enumerate(n.get("comm", [])):
             _need(isinstance(c, dict) and isinstance(c.get("kind"), str) and all(
                 _is_num(c.get(k)) for k in ("mesh_dim", "bytes", "time")), f"{where}.comm[{j}]",

@@ -27,6 +27,7 @@ def price(traced, cluster, problem, solution, fallbacks, gaps=(), limit=None) ->
     _expose(problem, solution.choice, hidden)
     nodes, compute, recompute_time = [], 0.0, 0.0
     modules = module_names(traced, {n: n.meta[LAYER_KEY][1] for n in traced.gm.graph.nodes if LAYER_KEY in n.meta})
+    held = {**solution.memory.saved_by_node, **_held_by_params(traced, choice, cluster, problem.storage)}
     for n, s in choice.items():
         if isinstance(n, Storage):  # recorded in Plan.storage; its collectives show at the parameter
             continue
@@ -37,7 +38,8 @@ def price(traced, cluster, problem, solution, fallbacks, gaps=(), limit=None) ->
         layer = n.meta.get(LAYER_KEY)
         nodes.append(NodeDecision(n.name, str(n.target) if n.op == "call_function" else n.op, str(s), t,
                                   n.meta[COST_KEY].phase, comm.get(n.name, []), recompute=again,
-                                  layer=None if layer is None else layer[1], module=modules.get(n.name)))
+                                  layer=None if layer is None else layer[1], module=modules.get(n.name),
+                                  memory=held.get(n, 0.0)))
     if "output" in comm:
         nodes.append(NodeDecision("output", "output", "->(R)", 0.0, "fwd", comm["output"]))
     comm_time = sum(c["time"] for cs in comm.values() for c in cs)
@@ -139,6 +141,21 @@ def _state_detail(traced, choice, cluster, storage: dict, micro_batches: int = 1
             costmodel.local_bytes(tensor_bytes(_val(u, k)), choice[u].outputs[k], mesh)
             for u, k in (value_of(g) for g in traced.grads.values() if g is not None))
     return detail
+
+
+def _held_by_params(traced, choice, cluster, storage: dict) -> dict:
+    """Per-device bytes each parameter holds across the step: itself at rest, its gradient and
+    optimizer state when trained, and its working copy when gathered once per step and kept (the
+    parts :func:`_state_detail` sums over all parameters)."""
+    mesh, out = cluster.mesh_shape, {}
+    for name, node in traced.params:
+        nbytes = tensor_bytes(_val(node, 0))
+        rest = costmodel.local_bytes(nbytes, choice[storage[node]].outputs[0], mesh)
+        trained = traced.grads.get(name) is not None
+        out[node] = rest * (1 + (1 + OPTIMIZER_STATE_PER_PARAM_BYTE if trained else 0))
+        if choice[node].outputs[0] != choice[storage[node]].outputs[0]:
+            out[node] += costmodel.local_bytes(nbytes, choice[node].outputs[0], mesh)
+    return out
 
 
 def _val(node, k):

@@ -253,27 +253,37 @@ class DiffRow:
     change: object       # NodeChange of the first layer the row stands for
     layers: list         # the layers whose node changed alike; empty outside repeated blocks
     impact: float        # seconds the step changes by through these nodes, all copies (b - a)
+    memory: float = 0.0  # bytes per device they hold, all copies (b - a; NodeDecision.memory)
 
 
-def diff_rows(d) -> list[DiffRow]:
+DIFF_ORDERS = ("time", "memory")
+
+
+def diff_rows(d, by: str = "time") -> list[DiffRow]:
     """The changed nodes, alike changes in different layers folded into one row, ranked by how
-    much they move the step time (largest first); among equals, a recompute flip (it moves memory)
-    first, computing nodes before placeholders, then graph order."""
+    much they move the step time (``by="time"``) or the bytes they hold (``by="memory"``),
+    largest first, the other as the next key; then a recompute flip first, computing nodes before
+    placeholders, then graph order."""
+    if by not in DIFF_ORDERS:
+        raise ValueError(f"by must be one of {DIFF_ORDERS}, not {by!r}")
     rows: dict[tuple, DiffRow] = {}
     seen: dict[tuple, int] = {}
     for c in d.nodes:
-        alike = (c.phase, c.op, c.a, c.b, c.recompute_a, c.recompute_b, round(c.time_a, 12), round(c.time_b, 12))
+        alike = (c.phase, c.op, c.a, c.b, c.recompute_a, c.recompute_b, round(c.time_a, 12), round(c.time_b, 12),
+                 c.memory_a, c.memory_b)
         # the k-th such change in one layer pairs with the k-th in each other layer
         k = seen[(c.layer, alike)] = seen.get((c.layer, alike), -1) + 1
         row = rows.setdefault((c.name,) if c.layer is None else (alike, k), DiffRow(c, [], 0.0))
         row.layers += [] if c.layer is None else [c.layer]
         row.impact += c.time_b - c.time_a
+        row.memory += c.memory_b - c.memory_a
     order = {id(r): i for i, r in enumerate(rows.values())}
     flips = lambda r: r.change.recompute_a != r.change.recompute_b  # noqa: E731  a recompute flip moves memory
-    return sorted(rows.values(), key=lambda r: (-abs(r.impact), not flips(r), r.change.phase == "input", order[id(r)]))
+    first = (lambda r: (-abs(r.impact), -abs(r.memory))) if by == "time" else (lambda r: (-abs(r.memory), -abs(r.impact)))
+    return sorted(rows.values(), key=lambda r: (*first(r), not flips(r), r.change.phase == "input", order[id(r)]))
 
 
-def diff_text(d, max_rows: int = 100, width: int = 160, hints: dict | None = None) -> str:
+def diff_text(d, max_rows: int = 100, width: int = 160, hints: dict | None = None, by: str = "time") -> str:
     from rich.markup import escape
 
     def delta(pair, fmt):
@@ -294,9 +304,9 @@ def diff_text(d, max_rows: int = 100, width: int = 160, hints: dict | None = Non
     if d.identical:
         console.print("the plans make the same decisions")
         return export(console)
-    rows = diff_rows(d)
+    rows = diff_rows(d, by)
     if rows:
-        console.print(_diff_table(d, rows[:max_rows], len(rows)))
+        console.print(_diff_table(d, rows[:max_rows], len(rows), by))
     if len(rows) > max_rows:
         more = len(rows) - max_rows
         console.print(f"... and {more} more row{'s' if more > 1 else ''} ({(hints or PY_HINTS)['diff_more']})")
@@ -309,13 +319,19 @@ def diff_text(d, max_rows: int = 100, width: int = 160, hints: dict | None = Non
     return export(console)
 
 
-def _diff_table(d, rows: list[DiffRow], total: int):
+def _signed(x: float, fmt) -> str:
+    return ("+" if x >= 0 else "-") + fmt(abs(x))
+
+
+def _diff_table(d, rows: list[DiffRow], total: int, by: str = "time"):
     from rich.markup import escape
     from rich.table import Table
 
+    ranked = "the step time" if by == "time" else "the bytes held"
     t = Table(title=f"{len(d.nodes)} nodes decided differently ({total} rows, alike layers folded), "
-                    "largest change to the step time first", title_justify="left")
-    for col in ("node", "layers", "op", "a", "b", "recompute a -> b", "time a -> b (per node)", "step change"):
+                    f"largest change to {ranked} first", title_justify="left")
+    for col in ("node", "module", "layers", "op", "a", "b", "recompute a -> b", "time a -> b (per node)",
+                "step change", "memory change"):
         t.add_column(col, overflow="fold")
     for r in rows:
         c = r.change
@@ -323,30 +339,50 @@ def _diff_table(d, rows: list[DiffRow], total: int):
         layers = "" if not r.layers else (str(r.layers[0]) if len(r.layers) == 1 else
                                            f"{ranges(sorted(r.layers))} x {len(r.layers)}")
         name = f"{c.name} ({c.param})" if c.param else c.name
-        t.add_row(escape(name), layers, escape(short_op(c.op)), escape(c.a), escape(c.b), rc,
-                  f"{fmt_time(c.time_a)} -> {fmt_time(c.time_b)}",
-                  ("+" if r.impact >= 0 else "-") + fmt_time(abs(r.impact)))
+        t.add_row(escape(name), escape(_folded_module(c.module, r.layers)), layers, escape(short_op(c.op)),
+                  escape(c.a), escape(c.b), rc, f"{fmt_time(c.time_a)} -> {fmt_time(c.time_b)}",
+                  _signed(r.impact, fmt_time),
+                  _signed(r.memory, fmt_bytes) if r.memory else "")
     return t
 
 
+def _folded_module(module: str | None, layers: list) -> str:
+    """A folded row's module path with its layer index standing for all of them ("h.[0-11].attn")."""
+    if not module or len(layers) < 2:
+        return module or ""
+    return re.sub(rf"(^|\.){layers[0]}(?=\.|$)", rf"\g<1>[{ranges(sorted(layers))}]", module, count=1)
+
+
 def _storage_diff_table(d, max_rows: int, hints: dict | None):
-    """Parameters stored differently, alike layers folded and in order as in the storage table."""
+    """Parameters stored differently, alike layers folded, the largest change to the bytes they
+    hold (at rest, with gradient and optimizer state: NodeDecision.memory) first, then in order as
+    in the storage table."""
     from types import SimpleNamespace
 
     from rich.markup import escape
     from rich.table import Table
 
-    pairs = {k: f"{a} -> {b}" for k, (a, b) in d.storage.items()}
-    rows = storage_rows(SimpleNamespace(storage=pairs))
+    held = getattr(d, "storage_memory", {})
+    # the bytes go into what folds alike layers, so a folded row's members hold the same
+    pairs = {k: f"{a} -> {b} | {held.get(k, (0.0, 0.0))[0]!r} {held.get(k, (0.0, 0.0))[1]!r}"
+             for k, (a, b) in d.storage.items()}
+    rows = []
+    for name, change, copies in storage_rows(SimpleNamespace(storage=pairs)):
+        placements, nbytes = change.split(" | ")
+        ma, mb = (float(x) for x in nbytes.split())
+        rows.append((name, placements, copies, (mb - ma) * copies))
+    rows.sort(key=lambda row: -abs(row[3]))   # stable: model order among equals
     more = len(rows) - max_rows
-    s = Table(title=f"{len(d.storage)} parameters stored differently", title_justify="left",
+    s = Table(title=f"{len(d.storage)} parameters stored differently, largest change to the bytes held first",
+              title_justify="left",
               caption=f"{more} more rows not shown ({(hints or PY_HINTS)['diff_more']})" if more > 0 else None,
               caption_justify="left")
-    for col in ("parameter", "a", "b", "layers"):
+    for col in ("parameter", "a", "b", "layers", "memory change"):
         s.add_column(col, overflow="fold")
-    for name, change, copies in rows[:max_rows]:
+    for name, change, copies, delta in rows[:max_rows]:
         a, b = change.split(" -> ", 1)
-        s.add_row(escape(name), escape(a), escape(b), f"x{copies}" if copies > 1 else "")
+        s.add_row(escape(name), escape(a), escape(b), f"x{copies}" if copies > 1 else "",
+                  _signed(delta, fmt_bytes) if delta else "")
     return s
 
 
