@@ -161,13 +161,13 @@ def _edges(plan, groups, key_of, where) -> tuple[nx.DiGraph, dict[str, list[dict
     g.add_nodes_from(groups)
     between: dict[str, list[dict]] = {}
     by_name = {n.name: n for n in plan.nodes}
-    pairs = set(tuple(e) for e in plan.edges)
+    pairs = dict.fromkeys(tuple(e) for e in plan.edges)   # in the plan's order: a set's would vary by hash seed
     comm: dict[tuple[str, str], list[dict]] = {}
     for n in plan.nodes:
         for c in n.comm:
             src = c.get("src")
             if src in key_of:
-                pairs.add((src, n.name))
+                pairs.setdefault((src, n.name))
                 comm.setdefault((src, n.name), []).append(c)
     for a, b in pairs:
         if a not in key_of or b not in key_of:
