@@ -600,3 +600,14 @@ def test_memory_legend_explains_the_curve(plans):
     for words in ("rises as each layer saves activations", "falls as each layer", "gradients are made",
                   "working set", "Peak"):
         assert words in legend
+
+
+def test_memory_table_lists_the_parts_that_hold_bytes(plans):
+    from autoshard.report.text import memory_rows
+
+    _, free, _ = plans
+    empty = [k for k, v in free.memory.items() if v == 0]
+    assert empty, free.memory   # the free plan recomputes nothing, at least
+    listed = [r[0] for r in memory_rows(free)]
+    parts = listed[:listed.index("peak")]   # then the cap, where the plan has one
+    assert parts == [k for k, v in free.memory.items() if v]

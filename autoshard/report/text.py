@@ -228,8 +228,10 @@ def storage_table(plan, max_rows: int | None = None, hints: dict | None = None):
 
 
 def memory_rows(plan) -> list[tuple[str, str, str]]:
+    """The peak moment's parts that hold bytes (an empty part, such as "recomputed" in a plan that
+    recomputes nothing, says nothing), the peak, and the cap."""
     rows = [(k, fmt_bytes(v), f"{v / plan.peak_memory:.1%}" if plan.peak_memory else "-")
-            for k, v in plan.memory.items()]
+            for k, v in plan.memory.items() if v]
     rows.append(("peak", fmt_bytes(plan.peak_memory), "100.0%"))
     cap, cap_name = cap_of(plan)
     if cap:
