@@ -85,7 +85,7 @@ __all__ = [
     "sharding_propagator", "has_sharding_rule", "single_dim_rule", "op_strategy_rule",
     "planning_mesh", "flop_formula", "register_flop_formula", "is_data_dependent_error",
     "tree_leaves", "tree_map", "tree_map_only", "default_group_options", "is_all_gather",
-    "all_gather_key", "merge_all_gathers", "unpriced_strategies",
+    "all_gather_key", "merge_all_gathers", "unpriced_strategies", "decompositions",
 ]
 
 
@@ -167,19 +167,28 @@ def is_data_dependent_error(exc: BaseException) -> bool:
     return isinstance(exc, kinds) or "data-dependent" in str(exc).lower()
 
 
+def decompositions(ops) -> dict:
+    """torch's own decompositions of ``ops`` (overload packets or overloads), for tracing."""
+    from torch._decomp import get_decompositions
+
+    return get_decompositions(list(ops))
+
+
 @contextlib.contextmanager
-def joint_export(model: torch.nn.Module, args: tuple[Any, ...], user_frame: Callable[[], str | None]):
+def joint_export(model: torch.nn.Module, args: tuple[Any, ...], user_frame: Callable[[], str | None],
+                 decompose: dict | None = None):
     """Joint fwd+bwd export with parameter/gradient descriptors (the ExitStack keeps the
     export's contexts alive while the caller reads the graph).
 
     The model runs as under ``torch.compile``/``torch.export`` (``torch.compiler.is_compiling()``
     is true), so libraries take their traceable paths: transformers' mask helpers, for one, skip
     their checks of mask and position values. Each forward node's ``meta["stack_trace"]`` is the
-    model line ``user_frame()`` names at the torch call that made it (AOTAutograd records none)."""
+    model line ``user_frame()`` names at the torch call that made it (AOTAutograd records none).
+    ``decompose``: ops traced as what their decompositions call (:func:`decompositions`)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compiling())
         stack.enter_context(_SourceLines(user_frame))
-        yield aot_export_joint_with_descriptors(stack, model, args)
+        yield aot_export_joint_with_descriptors(stack, model, args, decompositions=decompose)
 
 
 @contextlib.contextmanager

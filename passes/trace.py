@@ -97,6 +97,18 @@ def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
             getattr(mod, kind)[name] = t
 
 
+aten = torch.ops.aten
+# Elementwise losses traced as torch's decompositions of them: no release's DTensor has a rule for
+# the fused ops (forward or backward), so a plan gathered the prediction and the target on every
+# rank and computed the loss there; their decompositions are pointwise ops and a sum or mean,
+# which split with the batch. The backward's 1/numel comes from the traced global shape. The
+# log-sigmoid pair (binary_cross_entropy_with_logits' decomposition calls it) likewise.
+ELEMENTWISE_LOSSES = _torch.decompositions([
+    aten.mse_loss, aten.mse_loss_backward, aten.smooth_l1_loss, aten.smooth_l1_loss_backward,
+    aten.huber_loss, aten.huber_loss_backward, aten.binary_cross_entropy, aten.binary_cross_entropy_backward,
+    aten.binary_cross_entropy_with_logits, aten.soft_margin_loss, aten.soft_margin_loss_backward,
+    aten.log_sigmoid_forward, aten.log_sigmoid_backward])
+
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
 _OWN_FILES = frozenset({__file__, _torch.__file__})
 
@@ -172,7 +184,8 @@ def trace(model: nn.Module, example_inputs: tuple, device=None) -> TracedModel:
     args = tuple(_fake_like(fake_mode, a, device) if isinstance(a, torch.Tensor) else a for a in example_inputs)
     was_training = model.training
     try:
-        with _fake_parameters(model, fake_mode, device), _torch.joint_export(model, args, _model_line) as jd:
+        with _fake_parameters(model, fake_mode, device), \
+                _torch.joint_export(model, args, _model_line, ELEMENTWISE_LOSSES) as jd:
             gm = jd.graph_module
     except Exception as exc:  # noqa: BLE001 - re-raised typed, with the user's line
         where = _user_frame(exc)

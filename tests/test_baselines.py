@@ -201,8 +201,10 @@ def test_baseline_keeps_its_fastest_grid_and_cuts_off_slower_ones():
     cut = 0
     for b in ("hsdp", "tp_fsdp", "axonn_4d"):
         best = plan_baseline(traced, cluster, b, time_limit=60)
+        # the same problems as the baseline's own (no recompute unless "+recompute")
         full = {",".join(f"{n}={p}" for n, p in zip(names, shape)):
-                autoshard.plan(traced, cluster.with_mesh(shape, names), allow=allow_for(traced, roles), time_limit=60)
+                autoshard.plan(traced, cluster.with_mesh(shape, names), allow=allow_for(traced, roles), time_limit=60,
+                               recompute=False)
                 for shape, names, roles in logical_meshes(b, cluster)}
         assert best.step_time == pytest.approx(min(p.step_time for p in full.values()), rel=1e-3), b
         for key, t in best.stats["meshes"].items():

@@ -12,6 +12,7 @@ import dist_cases as dc
 from autoshard.errors import ClusterError, NoShardingRuleError, TraceError
 from autoshard.runtime.launch import run_local
 from autoshard.zoo import MLP
+from custom_ops import MLPOwnLoss
 
 
 @pytest.mark.world(2)
@@ -50,12 +51,13 @@ def test_op_without_rule_is_replicated_reported_and_warned():
     inputs = (torch.randn(8, 32), torch.randn(8, 16))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = autoshard.plan(MLP(), autoshard.Cluster.local(2), inputs)
+        plan = autoshard.plan(MLPOwnLoss(), autoshard.Cluster.local(2), inputs)
     ops = {name for name, _ in plan.fallbacks}
-    assert {"mse_loss", "mse_loss_backward"} <= ops
-    assert any("mse_loss" in str(w.message) for w in caught)
+    assert {"squared_error", "squared_error_backward"} <= ops
+    assert any("squared_error" in str(w.message) for w in caught)
     for n in plan.nodes:
         if n.name in ops:
             assert set(n.strategy.replace("->", ",").split(",")) <= {"(R)"}, n.strategy
-    with pytest.raises(NoShardingRuleError, match="mse_loss"):
-        autoshard.plan(MLP(), autoshard.Cluster.local(2), inputs, strict=True)
+    with pytest.raises(NoShardingRuleError, match="squared_error"):
+        autoshard.plan(MLPOwnLoss(), autoshard.Cluster.local(2), inputs, strict=True)
+

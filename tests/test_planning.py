@@ -135,25 +135,29 @@ def test_gpt2_plan_summary(gpt2):
 
 # ---------------------------------------------------------------------------- one Linear, by hand
 B, IN, OUT = 32, 16, 8
-# Data parallelism on 2 ranks, node by node of the traced graph (Linear(16, 8) + mse_loss): the
-# batch split, the parameters replicated. mse_loss has only a replicated strategy, so the
-# prediction and the target are gathered for it and again for its backward.
+# Data parallelism on 2 ranks, node by node of the traced graph (Linear(16, 8) + mse_loss, which
+# traces as torch's decomposition: (prediction - target) ** 2, its mean; backward 2/256 times the
+# difference times the loss's gradient): the batch split, the parameters replicated, each rank's
+# mean of its half a partial average, all-reduced for the loss.
 DDP = {"primals_1": "->(R)", "primals_2": "->(R)", "primals_3": "->(S(0))", "primals_4": "->(S(0))",
-       "t": "(R)->(R)", "addmm": "(R),(S(0)),(R)->(S(0))", "mse_loss": "(R),(R)->(R)",
-       "mse_loss_backward": "(R),(R),(R)->(R)", "t_1": "(S(0))->(S(1))", "mm": "(S(1)),(S(0))->(P)",
-       "t_2": "(P)->(P)", "sum_1": "(S(0))->(P)", "view": "(P)->(P)", "t_3": "(P)->(P)"}
+       "t": "(R)->(R)", "addmm": "(R),(S(0)),(R)->(S(0))", "sub": "(S(0)),(S(0))->(S(0))",
+       "pow_1": "(S(0))->(S(0))", "mean": "(S(0))->(P(avg))", "sub_1": "(S(0)),(S(0))->(S(0))",
+       "mul": "(S(0))->(S(0))", "mul_1": "(S(0)),(R)->(S(0))", "t_1": "(S(0))->(S(1))",
+       "mm": "(S(1)),(S(0))->(P)", "t_2": "(P)->(P)", "sum_1": "(S(0))->(P)", "view": "(P)->(P)", "t_3": "(P)->(P)"}
 # round numbers: 1 GFLOP/s, 1 GB/s, 1 us per kernel; 10 us per ring step, 100 MB/s per rank
 FLOPS, BW, LAUNCH, ALPHA, LINK = 1e9, 1e9, 1e-6, 1e-5, 1e8
 # Seconds, by the formulas of docs/cost_model.md. Each kernel max(FLOPs / 1e9, bytes / 1e9) + 1 us,
-# on its rank's share (half where the batch is split):
+# on its rank's share (half where the batch is split; 128 of the 256 prediction floats):
 #   addmm, 16 rows: 2*16*16*8 = 4096 FLOPs (bytes: (8 + 512 + 128 + 256) * 4 / 2 = 1808)
-#   mse_loss: reads prediction and target, 2*256 floats, writes 1: 2052 bytes
-#   mse_loss_backward: reads the scalar, prediction and target, writes 256: 3076 bytes
+#   sub, sub_1: read prediction and target, write their difference: 3 * 128 * 4 = 1536 bytes each
+#   pow_1, mul (times 2/256): read 128 floats, write 128: 1024 bytes each
+#   mean: reads 256, writes 1, halved as a whole (the scalar too): (256 + 1) * 4 / 2 = 514 bytes
+#   mul_1 (times the loss's gradient): reads 256 and the scalar, writes 256: (513 * 4) / 2 = 1026 bytes
 #   mm (weight gradient), 16 rows: 2*8*16*16 = 4096 FLOPs (bytes: (256 + 512 + 128) * 4 / 2 = 1792)
 #   sum (bias gradient): (256 + 8) * 4 / 2 = 528 bytes
-COMPUTE = (4096 + 2052 + 3076 + 4096 + 528) / 1e9 + 5 * LAUNCH
-# four all-gathers of the 32x8 prediction / target (1024 bytes): 1/2 * 1024 / 1e8 + 10 us
-GATHERS = 4 * (0.5 * 1024 / LINK + ALPHA)
+COMPUTE = (4096 + 2 * 1536 + 2 * 1024 + 514 + 1026 + 4096 + 528) / 1e9 + 9 * LAUNCH
+# the loss's partial averages all-reduced (4 bytes): 2(p-1)/p * 4 / 1e8 + 2(p-1) * 10 us
+LOSS = 4 / LINK + 2 * ALPHA
 # the gradients' all-reduces, bucketed (one latency per bucket, left out): 2 * 1/2 * n / 1e8
 GRADS = (8 * 16 + 8) * 4 / LINK
 # AdamW per parameter: 9 kernels, 7 passes over its bytes
@@ -183,11 +187,11 @@ def test_step_time_and_memory_by_hand():
     assert {n.name: n.strategy for n in plan.nodes if n.name in DDP} == DDP
     # nothing overlaps: every collective counts
     assert plan.compute_time == by_hand(COMPUTE)
-    assert plan.comm_time == by_hand(GATHERS + GRADS)
-    assert plan.breakdown["exposed_comm"] == by_hand(GATHERS + GRADS)
+    assert plan.comm_time == by_hand(LOSS + GRADS)
+    assert plan.breakdown["exposed_comm"] == by_hand(LOSS + GRADS)
     assert plan.breakdown["optimizer"] == by_hand(OPTIMIZER)
     assert plan.breakdown["recompute"] == plan.breakdown["recompute_comm"] == 0.0
-    assert plan.step_time == by_hand(COMPUTE + GATHERS + GRADS + OPTIMIZER)
+    assert plan.step_time == by_hand(COMPUTE + LOSS + GRADS + OPTIMIZER)
     # the ILP's objective, from its own rows: as far off as the solver's 1e-9 tolerances allow
     assert plan.solver["objective"] == pytest.approx(plan.step_time, rel=1e-9, abs=0)
     # bytes per rank: weight 8x16 and bias 8, fp32, replicated, with gradients and Adam's two moments
@@ -197,7 +201,7 @@ def test_step_time_and_memory_by_hand():
             "activations": B * OUT * 4 / 2,         # the prediction's rows, which the loss's backward reads
             "recomputed": 0,
             # while backward packs its bucket: each unreduced gradient (a full Partial) and its flat copy;
-            # more than any op's working set (the loss's: the gathered prediction and the scalar, 1028)
+            # more than any op's working set here
             "transient": 2 * params,
             "grad_delivery": 0,
             "optimizer_step": 0}        # the peak is not the optimizer step's

@@ -12,6 +12,7 @@ from autoshard.errors import NoShardingRuleError
 from autoshard.passes.graph import tensor_inputs
 from autoshard.passes.strategies import META_KEY, Strategy, find_strategies
 from autoshard.zoo import GPT, GPTConfig, MLP
+from custom_ops import MLPOwnLoss
 
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -202,13 +203,17 @@ def test_strategy_counts_grow_on_2x2_mesh():
     assert sum(two.values()) > sum(one.values())
 
 
+def _own_loss_mlp(batch=8):
+    return autoshard.trace(MLPOwnLoss(), (torch.randn(batch, 32), torch.randn(batch, 16)))
+
+
 def test_op_without_rule_falls_back_to_replicate_and_is_listed():
-    traced = _mlp()
-    with pytest.warns(UserWarning, match="mse_loss planned replicated"):
+    traced = _own_loss_mlp()
+    with pytest.warns(UserWarning, match="squared_error planned replicated"):
         fallbacks = find_strategies(traced.gm, mesh(2))
     names = dict(fallbacks)
-    (loss,) = _calls(traced, aten.mse_loss.default)
-    assert loss.name in names and "mse_loss" in names[loss.name]
+    (loss,) = _calls(traced, torch.ops.autoshard_tests.squared_error.default)
+    assert loss.name in names and "squared_error" in names[loss.name]
     rep = (R,)
     assert _strategies(loss) == [Strategy((rep,), (rep, rep), 1)]
     assert loss.meta[META_KEY].fallback == names[loss.name]
@@ -218,15 +223,15 @@ def test_op_without_rule_falls_back_to_replicate_and_is_listed():
 
 
 def test_strict_raises_no_sharding_rule():
-    traced = _mlp()
-    with pytest.raises(NoShardingRuleError, match="mse_loss"):
+    traced = _own_loss_mlp()
+    with pytest.raises(NoShardingRuleError, match="squared_error"):
         find_strategies(traced.gm, mesh(2), strict=True)
 
 
 def test_plan_lists_fallbacks():
-    traced = _mlp()
+    traced = _own_loss_mlp()
     plan = autoshard.plan(traced, autoshard.Cluster.local(2))
-    assert any("mse_loss" in reason for _, reason in plan.fallbacks)
+    assert any("squared_error" in reason for _, reason in plan.fallbacks)
     with pytest.raises(NoShardingRuleError):
         autoshard.plan(traced, autoshard.Cluster.local(2), strict=True)
 

@@ -41,8 +41,7 @@ def test_tiny_model_trains_like_single_device(results, name):
         assert r["names"], (rank, name)
         assert r["sharded_nodes"] > 0, f"rank {rank}, {name}: the plan shards nothing, so no rule was exercised"
         assert r["losses"][1] < r["losses"][0], f"rank {rank}, {name}: the step did not lower the loss: {r['losses']}"
-        if name != "mlp":  # the MLP's mse_loss has no DTensor rule (planned replicated, reported)
-            assert r["fallbacks"] == [], (rank, name, r["fallbacks"])
+        assert r["fallbacks"] == [], (rank, name, r["fallbacks"])
 
 
 @pytest.mark.world(2)
