@@ -137,6 +137,38 @@ def test_elementwise_rules():
     assert check_rules(aten.polar.default, pointwise._same_dim_rule, (b, a), 1) == 2
 
 
+_ACTIVATION_ARGS = {   # op -> its Python-number arguments after the tensors (gradient first for backward ops)
+    "softplus": (2.0, 5.0), "softplus_backward": (2.0, 5.0), "elu": (1.0, 1.0, 1.0),
+    "elu_backward": (1.0, 1.0, 1.0, False), "celu": (0.5,), "selu": (), "leaky_relu": (0.1,),
+    "leaky_relu_backward": (0.1, False), "hardtanh": (-1.0, 1.0), "hardtanh_backward": (-1.0, 1.0),
+    "hardswish": (), "hardswish_backward": (), "hardsigmoid": (), "hardsigmoid_backward": (), "mish": (),
+    "mish_backward": (), "softshrink": (0.5,), "softshrink_backward": (0.5,), "hardshrink": (0.5,),
+    "hardshrink_backward": (0.5,), "logit_backward": (1e-6,)}
+
+
+@pytest.mark.parametrize("op", pointwise.ACTIVATIONS, ids=lambda op: op.__name__.split(".")[0])
+def test_activation_rules(op):
+    name = op.__name__.split(".")[0]
+    x, grad = _x(4, 6) * 3, _x(4, 6, seed=1)
+    if name == "logit_backward":
+        x = torch.sigmoid(x)   # logit's domain
+    extra = _ACTIVATION_ARGS[name]
+    if name == "elu_backward":   # (grad, alpha, scale, input_scale, is_result, self_or_result)
+        args = (grad, *extra, x)
+    elif name.endswith("_backward"):
+        args = (grad, x, *extra)
+    else:
+        args = (x, *extra)
+    assert check_rules(op, pointwise._same_dim_rule, args, 1) == 2   # split on either dim
+
+
+def test_activation_rules_registered_where_torch_lacks_one():
+    for op in pointwise.ACTIVATIONS:
+        assert _torch.has_sharding_rule(op), op
+    assert set(pointwise.ADDED) >= {aten.softplus_backward.default, aten.leaky_relu_backward.default,
+                                    aten.hardtanh_backward.default}   # no release has these
+
+
 @pytest.mark.parametrize("where", ["leading", "middle", "apart", "2-D"])
 def test_index_rules(where):
     """Gathers by index tensors (passes/rules/index.py): values split beside the indexed dims,

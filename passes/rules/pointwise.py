@@ -1,4 +1,4 @@
-"""Elementwise ops DTensor registers no rule for.
+"""Elementwise ops DTensor registers no rule for (on some releases or on all).
 
 ``aten.floor_divide`` appears in transformers' grouped-GEMM Mixture-of-Experts dispatch (sorted
 token-expert slot // top_k = the token a slot came from); ``aten.polar`` (magnitude and angle to
@@ -27,4 +27,21 @@ def _same_dim_rule(op, args_schema, kwargs_schema):
 
 
 for _op in (aten.floor_divide.default, aten.floor_divide.Scalar, aten.polar.default):
+    _torch.register_single_dim_strategy(_op)(_same_dim_rule)
+
+# Activations and their backward ops: elementwise in every tensor operand (the input, the
+# gradient, the output where the backward reads it), with Python-number parameters. No release
+# has rules for most backward ops (ReLU6's hardtanh, LeakyReLU's, softplus's as in Mamba's
+# step size, ELU's, Mish's, hard swish's and hard sigmoid's as in MobileNet), and torch 2.11 none
+# for the forward ops either; without one the planner gathered the activation on every rank.
+# Registered only where the installed torch has none, so a release's own rule stays.
+ACTIVATIONS = [aten.softplus.default, aten.softplus_backward.default, aten.elu.default, aten.elu_backward.default,
+               aten.celu.default, aten.selu.default, aten.leaky_relu.default, aten.leaky_relu_backward.default,
+               aten.hardtanh.default, aten.hardtanh_backward.default, aten.hardswish.default,
+               aten.hardswish_backward.default, aten.hardsigmoid.default, aten.hardsigmoid_backward.default,
+               aten.mish.default, aten.mish_backward.default, aten.softshrink.default,
+               aten.softshrink_backward.default, aten.hardshrink.default, aten.hardshrink_backward.default,
+               aten.logit_backward.default]
+ADDED = [op for op in ACTIVATIONS if not _torch.has_sharding_rule(op)]
+for _op in ADDED:
     _torch.register_single_dim_strategy(_op)(_same_dim_rule)
