@@ -36,6 +36,8 @@ from autoshard import _torch
 from autoshard.collectives import GradBucket, finish, issue, pack
 from autoshard.passes.rewrite import ORIGIN
 
+aten = torch.ops.aten
+
 
 # --- reductions -------------------------------------------------------------------------------
 class _IssueBucket(nn.Module):
@@ -137,9 +139,33 @@ def bucket_gathers(gm: fx.GraphModule, block_of: dict[str, object]) -> fx.GraphM
             if pos[n] > pos[issue]:
                 issue.prepend(n)   # earlier is safe: its inputs are graph inputs or moved before it
         arrived = _torch.merge_all_gathers_at(gm.graph, bucket, issue, bucket[0])
+        _reshape_pieces(arrived)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# ops through which a merged gather's piece keeps being a view of the flat buffer
+_VIEWS = {operator.getitem, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
+          aten.split.Tensor, aten.split_with_sizes.default, aten.permute.default, aten.t.default, aten.transpose.int,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.alias.default}
+
+
+def _reshape_pieces(wait: fx.Node) -> None:
+    """The views of a merged gather's pieces become reshapes. The merge (inductor's) cuts each
+    member out of the flat buffer as a strided view, rows a rank's piece apart: compiled, inductor
+    lays it out; run as written, the graph's ``view`` that joined dims of the contiguous tensor
+    the member's own gather made fails on it (transformers' Mamba, a (1, 32) storage shard per
+    rank viewed as (1, 64)). A reshape is that view where one exists, a copy where not."""
+    todo, seen = list(wait.users), set()
+    while todo:
+        node = todo.pop()
+        if node in seen or node.op != "call_function" or node.target not in _VIEWS:
+            continue
+        seen.add(node)
+        if node.target is aten.view.default:
+            node.target = aten.reshape.default
+        todo.extend(node.users)
 
 
 @dataclass(frozen=True)

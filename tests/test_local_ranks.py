@@ -190,3 +190,55 @@ def test_elementwise_losses_split_the_batch_and_train_like_one_device(name):
     sim, ref = simulate.run_ranks(model, plan, batches), simulate.single_device(model, batches)
     assert max(abs(a - b) for a, b in zip(sim.losses, ref.losses)) < LOSS_ATOL, (sim.losses, ref.losses)
     assert max((sim.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < PARAM_ATOL
+
+
+_ACTIVATIONS = {"leaky_relu": torch.nn.LeakyReLU(0.1), "relu6": torch.nn.ReLU6(), "softplus": torch.nn.Softplus(),
+                "elu": torch.nn.ELU(), "mish": torch.nn.Mish(), "hardswish": torch.nn.Hardswish(),
+                "hardsigmoid": torch.nn.Hardsigmoid(), "selu": torch.nn.SELU(), "celu": torch.nn.CELU(0.5),
+                "softshrink": torch.nn.Softshrink(), "hardshrink": torch.nn.Hardshrink(0.1)}
+
+
+@pytest.mark.parametrize("name", list(_ACTIVATIONS))
+def test_activations_split_the_batch_and_train_like_one_device(name):
+    """Activations whose backward (or, on torch 2.11, forward) op DTensor has no rule for:
+    strict planning passes with the batch split through them, and 2 simulated ranks train like
+    one device."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), _ACTIVATIONS[name], torch.nn.Linear(32, 8))
+    net = _Regression(F.mse_loss)
+    net.lin = model
+    batches = [(torch.randn(8, 16), torch.randn(8, 8)) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)   # a fallback warns
+        plan = autoshard.plan(net, autoshard.Cluster.local(2), batches[0], strict=True,
+                              constraints={"inputs": [["S(0)"], ["S(0)"]]})
+    assert not plan.fallbacks and plan.inputs == ["(S(0))", "(S(0))"]
+    sim, ref = simulate.run_ranks(net, plan, batches), simulate.single_device(net, batches)
+    assert max(abs(a - b) for a, b in zip(sim.losses, ref.losses)) < LOSS_ATOL, (sim.losses, ref.losses)
+    assert max((sim.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < PARAM_ATOL
+
+
+def test_transformers_mamba_plans_without_fallbacks_and_trains_like_one_device():
+    """transformers' Mamba (its PyTorch path: softplus of the step size, whose backward no
+    DTensor release has a rule for) plans with no op replicated for want of a rule, and 2
+    simulated ranks train it like one device."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, state_size=8,
+                                                      num_hidden_layers=2, expand=2, conv_kernel=4))
+
+        def forward(self, ids, labels):
+            return self.model(input_ids=ids, labels=labels).loss
+
+    torch.manual_seed(0)
+    model = LM()
+    batches = [(ids, ids) for ids in torch.randint(0, 128, (2, 4, 16))]
+    plan = autoshard.plan(model, autoshard.Cluster.local(2), batches[0], strict=True,
+                          constraints={"inputs": [["S(0)"], ["S(0)"]]})
+    assert not plan.fallbacks and any(n.op == "aten.softplus_backward.default" for n in plan.nodes)
+    sim, ref = simulate.run_ranks(model, plan, batches), simulate.single_device(model, batches)
+    assert max(abs(a - b) for a, b in zip(sim.losses, ref.losses)) < LOSS_ATOL, (sim.losses, ref.losses)
+    assert max((sim.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < PARAM_ATOL
