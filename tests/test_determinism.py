@@ -39,7 +39,8 @@ def others_planned():
 # Known bug, not yet found: after the whole suite has run in one process, the (2, 2) GPT's plan
 # has differed from a fresh process's in a parameter's storage (two equally fast plans 512 bytes
 # apart, below what the peak's tie-break can tell apart), in about 1 whole-suite run in 5; alone,
-# with any PYTHONHASHSEED, it has always agreed. Reported as XFAIL when it happens, not hidden.
+# with any PYTHONHASHSEED, it has always agreed (docs/design.md, "Reproducible plans", says what
+# was ruled out). Reported as XFAIL when it happens, not hidden.
 _KNOWN = {"2d": pytest.mark.xfail(reason="storage tie resolved differently after the whole suite in one "
                                          "process (about 1 run in 5; see the comment above)", strict=False)}
 
