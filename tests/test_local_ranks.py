@@ -158,12 +158,26 @@ def test_inside_a_process_group_is_refused(setups):
 
 
 class _Regression(torch.nn.Module):
-    def __init__(self, loss):
+    def __init__(self, loss, body=None):
         super().__init__()
-        self.lin, self.loss = torch.nn.Linear(16, 8), loss
+        self.lin, self.loss = body or torch.nn.Linear(16, 8), loss
 
     def forward(self, x, y):
         return self.loss(self.lin(x), y)
+
+
+def _split_and_trains_like_one_device(model, batches) -> autoshard.Plan:
+    """Strict planning with the batch split (a fallback warns, and fails here) leaves no op
+    replicated for want of a rule, and 2 simulated ranks then train like one device."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        plan = autoshard.plan(model, autoshard.Cluster.local(2), batches[0], strict=True,
+                              constraints={"inputs": [["S(0)"], ["S(0)"]]})
+    assert not plan.fallbacks and plan.inputs == ["(S(0))", "(S(0))"]
+    sim, ref = simulate.run_ranks(model, plan, batches), simulate.single_device(model, batches)
+    assert max(abs(a - b) for a, b in zip(sim.losses, ref.losses)) < LOSS_ATOL, (sim.losses, ref.losses)
+    assert max((sim.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < PARAM_ATOL
+    return plan
 
 
 _LOSSES = {"mse": F.mse_loss, "smooth_l1": F.smooth_l1_loss, "huber": F.huber_loss,
@@ -175,21 +189,12 @@ _LOSSES = {"mse": F.mse_loss, "smooth_l1": F.smooth_l1_loss, "huber": F.huber_lo
 @pytest.mark.parametrize("name", list(_LOSSES))
 def test_elementwise_losses_split_the_batch_and_train_like_one_device(name):
     """torch's elementwise losses, whose fused ops have no DTensor rule on any release, trace as
-    their decompositions: no fallback, strict planning passes, the batch stays split through the
-    loss, and 2 simulated ranks train like one device."""
+    their decompositions."""
     torch.manual_seed(0)
-    model = _Regression(_LOSSES[name])
     batches = [(torch.randn(8, 16), torch.randn(8, 8)) for _ in range(2)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)   # a fallback warns
-        plan = autoshard.plan(model, autoshard.Cluster.local(2), batches[0], strict=True,
-                              constraints={"inputs": [["S(0)"], ["S(0)"]]})
-    assert not plan.fallbacks and plan.inputs == ["(S(0))", "(S(0))"]
+    plan = _split_and_trains_like_one_device(_Regression(_LOSSES[name]), batches)
     assert not any(n.op.startswith(("aten.mse_loss", "aten.smooth_l1", "aten.huber", "aten.binary_cross",
                                     "aten.soft_margin")) for n in plan.nodes)
-    sim, ref = simulate.run_ranks(model, plan, batches), simulate.single_device(model, batches)
-    assert max(abs(a - b) for a, b in zip(sim.losses, ref.losses)) < LOSS_ATOL, (sim.losses, ref.losses)
-    assert max((sim.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < PARAM_ATOL
 
 
 _ACTIVATIONS = {"leaky_relu": torch.nn.LeakyReLU(0.1), "relu6": torch.nn.ReLU6(), "softplus": torch.nn.Softplus(),
@@ -200,28 +205,16 @@ _ACTIVATIONS = {"leaky_relu": torch.nn.LeakyReLU(0.1), "relu6": torch.nn.ReLU6()
 
 @pytest.mark.parametrize("name", list(_ACTIVATIONS))
 def test_activations_split_the_batch_and_train_like_one_device(name):
-    """Activations whose backward (or, on torch 2.11, forward) op DTensor has no rule for:
-    strict planning passes with the batch split through them, and 2 simulated ranks train like
-    one device."""
+    """Activations whose backward (or, on torch 2.11, forward) op DTensor has no rule for."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), _ACTIVATIONS[name], torch.nn.Linear(32, 8))
-    net = _Regression(F.mse_loss)
-    net.lin = model
+    body = torch.nn.Sequential(torch.nn.Linear(16, 32), _ACTIVATIONS[name], torch.nn.Linear(32, 8))
     batches = [(torch.randn(8, 16), torch.randn(8, 8)) for _ in range(2)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)   # a fallback warns
-        plan = autoshard.plan(net, autoshard.Cluster.local(2), batches[0], strict=True,
-                              constraints={"inputs": [["S(0)"], ["S(0)"]]})
-    assert not plan.fallbacks and plan.inputs == ["(S(0))", "(S(0))"]
-    sim, ref = simulate.run_ranks(net, plan, batches), simulate.single_device(net, batches)
-    assert max(abs(a - b) for a, b in zip(sim.losses, ref.losses)) < LOSS_ATOL, (sim.losses, ref.losses)
-    assert max((sim.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < PARAM_ATOL
+    _split_and_trains_like_one_device(_Regression(F.mse_loss, body), batches)
 
 
 def test_transformers_mamba_plans_without_fallbacks_and_trains_like_one_device():
     """transformers' Mamba (its PyTorch path: softplus of the step size, whose backward no
-    DTensor release has a rule for) plans with no op replicated for want of a rule, and 2
-    simulated ranks train it like one device."""
+    DTensor release has a rule for; a merged gather's piece viewed across a rank's rows)."""
     from transformers import MambaConfig, MambaForCausalLM
 
     class LM(torch.nn.Module):
@@ -234,11 +227,6 @@ def test_transformers_mamba_plans_without_fallbacks_and_trains_like_one_device()
             return self.model(input_ids=ids, labels=labels).loss
 
     torch.manual_seed(0)
-    model = LM()
     batches = [(ids, ids) for ids in torch.randint(0, 128, (2, 4, 16))]
-    plan = autoshard.plan(model, autoshard.Cluster.local(2), batches[0], strict=True,
-                          constraints={"inputs": [["S(0)"], ["S(0)"]]})
-    assert not plan.fallbacks and any(n.op == "aten.softplus_backward.default" for n in plan.nodes)
-    sim, ref = simulate.run_ranks(model, plan, batches), simulate.single_device(model, batches)
-    assert max(abs(a - b) for a, b in zip(sim.losses, ref.losses)) < LOSS_ATOL, (sim.losses, ref.losses)
-    assert max((sim.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < PARAM_ATOL
+    plan = _split_and_trains_like_one_device(LM(), batches)
+    assert any(n.op == "aten.softplus_backward.default" for n in plan.nodes)
