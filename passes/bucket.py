@@ -130,15 +130,15 @@ def bucket_gathers(gm: fx.GraphModule, block_of: dict[str, object]) -> fx.GraphM
         return gm
     arrived = None   # the previous bucket's wait
     for bucket in buckets:
-        issue = bucket[0] if arrived is None else arrived.next
+        issue_at = bucket[0] if arrived is None else arrived.next
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}
         # each node once, in graph order: members share chain nodes (one transpose read by two
         # copies), and a shared node moved again would land after what reads it
         chains = {n for member in bucket for n in _input_chain(member)}
         for n in sorted(chains, key=pos.__getitem__):
-            if pos[n] > pos[issue]:
-                issue.prepend(n)   # earlier is safe: its inputs are graph inputs or moved before it
-        arrived = _torch.merge_all_gathers_at(gm.graph, bucket, issue, bucket[0])
+            if pos[n] > pos[issue_at]:
+                issue_at.prepend(n)   # earlier is safe: its inputs are graph inputs or moved before it
+        arrived = _torch.merge_all_gathers_at(gm.graph, bucket, issue_at, bucket[0])
         _reshape_pieces(arrived)
     gm.graph.lint()
     gm.recompile()
@@ -163,7 +163,7 @@ def _reshape_pieces(wait: fx.Node) -> None:
         if node in seen or node.op != "call_function" or node.target not in _VIEWS:
             continue
         seen.add(node)
-        if node.target is aten.view.default:
+        if node.target in (aten.view.default, aten._unsafe_view.default):   # both need viewable strides
             node.target = aten.reshape.default
         todo.extend(node.users)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 def hidden(problem, e, q, p, mesh_shape) -> bool:
     """Whether edge ``e``'s move ``q -> p`` counts in its block's E_b instead of in full: a move
-    that may hide (:meth:`Edge.hides`) on a cluster that overlaps at all (a = 0: every move in
+    that may hide (:meth:`~autoshard.solver.formulation.Edge.hides`) on a cluster that overlaps at all (a = 0: every move in
     full, with its latency)."""
     return problem.overlap > 0 and e.hides(q, p, mesh_shape, problem.micro_batches)
 
