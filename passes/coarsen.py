@@ -172,6 +172,12 @@ def _classes(nodes: list[fx.Node], token) -> dict[fx.Node, fx.Node]:
         return [i for i in range(p) if same[b + i - lo]]
 
     b = max(range(lo, first + 1), key=lambda b: (len(agree(b)), -b))
+    if len(agree(b)) == 1 and len({(nodes[b + j * p + agree(b)[0]].args, str(nodes[b + j * p + agree(b)[0]].kwargs))
+                                    for j in range(count)}) == 1:
+        # one op computed again on the same inputs (a decomposed loss's difference, for its
+        # forward and again for its backward) is a repeated computation, not a repeated layer:
+        # each its own class (dropped below), out of the next rounds' search
+        return {nodes[b + j * p + agree(b)[0]]: nodes[b + j * p + agree(b)[0]] for j in range(count)}
     for i in agree(b):
         head = nodes[b + i]
         for j in range(count):
@@ -200,6 +206,8 @@ def repeated_layers(traced) -> dict[fx.Node, fx.Node]:
             if not found:
                 break
             rep.update(found)
+    heads = {r for n, r in rep.items() if n is not r}
+    rep = {n: r for n, r in rep.items() if n is not r or n in heads}   # a class of one is none
     # Parameters: those read only by class members, at the same (class, argument) slots, form a
     # class of their own.
     params = {node for _, node in traced.params}
