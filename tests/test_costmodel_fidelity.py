@@ -22,6 +22,7 @@ from autoshard.passes.strategies import META_KEY, find_strategies
 from autoshard.solver.formulation import Storage, formulate
 from autoshard.solver.memory import memory_model, moments, predicted_memory, recomputed_live
 from autoshard.zoo import GPT, GPTConfig, MLP
+from custom_ops import MLPOwnLoss
 
 KiB, MiB = 2**10, 2**20
 # one line t = a + b n per kind, as a calibration on gloo finds them: a reduce-scatter that costs
@@ -151,7 +152,7 @@ def test_fsdp_recompute_gathers_every_parameter_again():
 
     c = Cluster.local(2)
     torch.manual_seed(0)
-    model = MLP((64, 128, 32))
+    model = MLPOwnLoss((64, 128, 32))   # its loss an op with no rule: replicated, the target gathered
     traced = autoshard.trace(model, (torch.randn(16, 64), torch.randn(16, 32)))
     plain = plan_baseline(traced, c, "fsdp")
     # each weight's storage ties between its two dims (equal pieces): pinned to plain's choice
