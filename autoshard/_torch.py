@@ -264,7 +264,11 @@ def merge_all_gathers(graph, nodes, insert_before, wait_before):
 
 def all_reduce_async(t: torch.Tensor, group_name: str) -> torch.Tensor:
     """Start a sum all-reduce of ``t`` in place over the named process group (a functional
-    collective: the result is ``t``, ready after :func:`wait`)."""
+    collective: the result is ``t``, ready after :func:`wait`). Traced for a compiler, which
+    takes functional programs only, it is the out-of-place all-reduce (inductor lowers that back
+    to the in-place one on its own buffer)."""
+    if torch.compiler.is_compiling():
+        return torch.ops._c10d_functional.all_reduce(t, "sum", group_name)
     return torch.ops._c10d_functional.all_reduce_(t, "sum", group_name)
 
 
@@ -387,3 +391,52 @@ def merge_all_gathers_at(graph, nodes, insert_before, wait_before):
     for node in nodes:
         insert_before.prepend(node)
     return merge_all_gathers(graph, nodes, insert_before, wait_before)
+
+
+# --- compiled programs (autoshard.compile(backend="inductor")) ------------------------------------
+__all__ += ["inductor"]
+
+
+def inductor(gm: torch.fx.GraphModule) -> Callable:
+    """``gm`` compiled by inductor on its first call (C++ on CPU, Triton on GPU), as one program
+    (``fullgraph``: a part that cannot compile is an error, not a silent fallback) for the shapes it
+    was traced at; torch's own caches keep the compiled code across processes. torch.compile does
+    not run under a dispatch mode (a FLOP counter, a memory tracker): there ``gm`` runs as it is,
+    with a warning."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    _functional_gathers(gm)
+    compiled = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+
+    def run(*args):
+        if _get_current_dispatch_mode() is not None:
+            warnings.warn("autoshard: a TorchDispatchMode is active, under which torch.compile does not run: "
+                          "this call runs the program uncompiled", stacklevel=2)
+            return gm(*args)
+        return compiled(*args)
+
+    return run
+
+
+def _functional_gathers(gm: torch.fx.GraphModule) -> None:
+    """torch 2.11's merged all-gather (:func:`merge_all_gathers`) writes into a buffer it made for
+    the bucket (``all_gather_into_tensor_out``, its input a slice of that buffer), which inductor
+    cannot functionalize: each becomes the functional all-gather of the same input, where nothing
+    reads the buffer after the gather (the same values; the result is a new tensor)."""
+    out_op = getattr(torch.ops._c10d_functional, "all_gather_into_tensor_out", None)
+    if out_op is None:
+        return
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for node in list(gm.graph.find_nodes(op="call_function", target=out_op.default)):
+        buf = node.kwargs.get("out")
+        if buf is None or any(position[u] > position[node] for u in buf.users if u is not node):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, node.args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()

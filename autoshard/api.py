@@ -13,7 +13,7 @@ from autoshard.build import build
 from autoshard.cluster import Cluster
 from autoshard.errors import ClusterError, ConstraintError, TraceError
 from autoshard.passes.trace import TracedModel
-from autoshard.planning.driver import accumulation, prepare, solve, trace
+from autoshard.planning.driver import accumulation, check_backend, prepare, solve, trace
 from autoshard.planning.plan import Plan
 from autoshard.planning.pricing import price
 from autoshard.precision import MixedPrecision
@@ -27,7 +27,7 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
          memory_limit: float | None = None, recompute: bool | str = True, share_layers: bool = True,
          strict: bool = False, time_limit: float = 120.0, progress: bool | None = None,
          allow=None, mixed_precision: MixedPrecision | None = None, grad_accumulation: int = 1,
-         meshes=None, followers: bool = True, cutoff: float | None = None) -> Plan:
+         meshes=None, followers: bool = True, cutoff: float | None = None, backend: str = "eager") -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
@@ -52,7 +52,10 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     strategies on the same problem). ``mixed_precision`` (a :class:`MixedPrecision`) plans the
     program with its casts; ``grad_accumulation=K`` plans for K micro-batches per optimizer step
     (``example_inputs`` are one micro-batch), the gradient reduction charged once per K. Raises
-    :class:`~autoshard.errors.InfeasibleError` with ``min_memory`` when no plan fits."""
+    :class:`~autoshard.errors.InfeasibleError` with ``min_memory`` when no plan fits.
+
+    ``backend``: what will run the program, "eager" (op by op) or "inductor" (compiled, elementwise
+    chains fused), which prices each op (the plan records it and runs only under it)."""
     if meshes is not None:
         from autoshard.planning import meshes as logical
 
@@ -62,14 +65,14 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
                                  recompute=recompute, share_layers=share_layers, strict=strict,
                                  time_limit=time_limit, progress=progress, allow=allow,
                                  mixed_precision=mixed_precision, grad_accumulation=grad_accumulation,
-                                 followers=followers, cutoff=cutoff)
+                                 followers=followers, cutoff=cutoff, backend=backend)
     t0 = time.perf_counter()
     progress = Progress(progress)
     traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, progress)
     t1 = time.perf_counter()
     problem, solution, limit = solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
                                       share_layers, allow, **accumulation(grad_accumulation),
-                                      followers=followers, progress=progress, cutoff=cutoff)
+                                      followers=followers, progress=progress, cutoff=cutoff, backend=backend)
     t2 = time.perf_counter()
     result = price(traced, cluster, problem, solution, fallbacks, gaps, limit)
     result.stats = {"trace_s": traced.trace_time if model is not traced else 0.0,
@@ -84,7 +87,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
             plan: Plan | None = None, memory_limit: float | None = None, recompute: bool = True,
             share_layers: bool = True, strict: bool = False, time_limit: float = 120.0,
             mixed_precision: MixedPrecision | None = None, grad_accumulation: int | None = None,
-            allow=None, followers: bool = True) -> DistributedModule:
+            allow=None, followers: bool = True, backend: str | None = None) -> DistributedModule:
     """Plan (unless ``plan`` is given) and build this rank's module. Call on every rank of an
     initialized process group whose world size is ``cluster.world_size``.
 
@@ -92,7 +95,11 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     steps), cast to ``param_dtype`` once per use in the program; gradient reductions run in
     ``reduce_dtype``. ``grad_accumulation=K`` (default: the given plan's, else 1): plan for K
     micro-batches per step, and move the gradients to storage only on every K-th backward (the
-    others accumulate them unreduced; ``module.no_sync()`` does the same explicitly)."""
+    others accumulate them unreduced; ``module.no_sync()`` does the same explicitly).
+
+    ``backend``: "eager" runs the forward and backward graphs op by op; "inductor" compiles
+    each (``torch.compile``: C++ on CPU, Triton on GPU) on their first call, and the plan is
+    priced for fused kernels. Default: the given plan's, else "eager"."""
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterError("autoshard.compile needs an initialized process group (torch.distributed."
                            "init_process_group, or launch with torchrun); use autoshard.plan to plan without one")
@@ -112,13 +119,16 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         cluster = cluster.with_mesh(tuple(plan.mesh_shape), tuple(plan.mesh_dim_names))
     if grad_accumulation is None:
         grad_accumulation = getattr(plan, "grad_accumulation", 1) if plan is not None else 1
+    if backend is None:
+        backend = plan.backend if plan is not None else "eager"
+    check_backend(backend)
     # the program is traced for the device it runs on: NCCL's ranks compute on GPUs, gloo's on
     # CPUs, a fake group's (simulated ranks, autoshard/runtime/simulate.py) on the model's device
-    backend = dist.get_backend()
-    if backend == "fake":
+    group_backend = dist.get_backend()
+    if group_backend == "fake":
         device_type = next((p.device.type for p in model.parameters()), "cpu")
     else:
-        device_type = "cuda" if backend == "nccl" else "cpu"
+        device_type = "cuda" if group_backend == "nccl" else "cpu"
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, device=device)
     if plan is None:
@@ -128,7 +138,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
             try:
                 problem, solution, limit = solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
                                                   share_layers, allow, **accumulation(grad_accumulation),
-                                                  followers=followers)
+                                                  followers=followers, backend=backend)
                 box = [price(traced, cluster, problem, solution, fallbacks, gaps, limit).to_json()]
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
                 box = [exc]
@@ -136,5 +146,5 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         if isinstance(box[0], Exception):
             raise box[0]
         plan = Plan.from_json(box[0])
-    plan.check_matches(traced.fingerprint, cluster.to_json())
+    plan.check_matches(traced.fingerprint, cluster.to_json(), backend)
     return build(model, traced, plan, cluster, device, mixed_precision, grad_accumulation)

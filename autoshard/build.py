@@ -98,7 +98,7 @@ def build(model: nn.Module, traced: TracedModel, plan: Plan, cluster: Cluster, d
     return DistributedModule(plan, mesh, fw, bw, n_out, params, buffers, input_pl, traced.input_meta,
                              aliases=aliases, grad_placements=grad_pl, reduce_dtype=reduce_dtype,
                              grad_accumulation=grad_accumulation, mixed_precision=mixed_precision,
-                             working=working, bw_sync=bw_sync, reduced=reduced)
+                             working=working, bw_sync=bw_sync, reduced=reduced, backend=plan.backend)
 
 def _reducing_backward(bw, traced, params: dict, grad_pl: list, block_of: dict, reduce_dtype):
     """``bw`` with each block's gradient reductions in it (passes/bucket.py), and the indices of

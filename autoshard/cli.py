@@ -179,7 +179,7 @@ def cmd_plan(args) -> int:
     limit = None if args.memory_limit is None else parse_bytes(args.memory_limit)
     model, inputs = build_model(args.model, args.batch, args.seq)
     accepts = inspect.signature(autoshard.plan).parameters
-    kwargs = {"time_limit": args.time_limit}
+    kwargs = {"time_limit": args.time_limit, "backend": args.backend}
     if limit is not None:
         if "memory_limit" in accepts:
             kwargs["memory_limit"] = limit
@@ -270,6 +270,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-limit", metavar="SIZE", help="cap on predicted peak memory per device, e.g. 40GB "
                     "or 80GiB (default: the device's usable memory)")
     pl.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    pl.add_argument("--backend", choices=["eager", "inductor"], default="eager",
+                    help="what will run the program: op by op (eager, the default) or compiled by inductor, "
+                         "whose fused kernels the plan is priced for")
     pl.add_argument("--batch", type=int, metavar="N", help="global batch (zoo default: 2 for tiny models, else 8)")
     pl.add_argument("--seq", type=int, metavar="N", help="sequence length of a zoo decoder")
     pl.add_argument("--time-limit", type=float, default=120.0, metavar="S", help="solver time limit (default 120)")

@@ -87,6 +87,9 @@ LOSS_RTOL = {torch.bfloat16: 2**-6, torch.float32: 1e-5}
 SIM_RTOL = 1e-4        # fp32, sums split over ranks: added in another order than on one device
 SIM_STEPS = 3          # AdamW steps on simulated ranks, as tests/test_local_ranks.py trains
 PLANS = ("free", "capped", "per_layer")
+# with --inductor: the free plan priced and compiled for inductor, against torch.compile of the
+# plain model (and the eager ``free`` row)
+INDUCTOR_MODELS = ("gpt2-small", "llama-0.9b")
 SIMULATED = ("fsdp", "megatron", "2d")
 
 
@@ -144,19 +147,22 @@ def one_device(size: str) -> autoshard.Cluster:
 
 
 def plan_case(case: Case, cluster: autoshard.Cluster, dtype: torch.dtype,
-              device: torch.device) -> tuple[dict[str, autoshard.Plan], dict]:
+              device: torch.device, inductor: bool = False) -> tuple[dict[str, autoshard.Plan], dict]:
     """The free, capped and per-layer plans of ``case``, planned on ``meta``, and {plan: why it is
     missing}: no cap forces recompute where the per-layer plan peaks as high as the free one (the
-    peak is then where no activation lives, e.g. in the optimizer step)."""
+    peak is then where no activation lives, e.g. in the optimizer step). With ``inductor``, for
+    the INDUCTOR_MODELS, also the free plan for the inductor backend (``free_inductor``)."""
     traced = autoshard.trace(case.build("meta", dtype), case.meta_inputs(), device=device)
     free = autoshard.plan(traced, cluster)
+    compiled = ({"free_inductor": autoshard.plan(traced, cluster, backend="inductor")}
+                if inductor and case.name in INDUCTOR_MODELS else {})
     per_layer = autoshard.plan(traced, cluster, recompute="full")
     if per_layer.peak_memory >= free.peak_memory:
         why = (f"no cap forces recompute: the per-layer plan's predicted peak ({per_layer.peak_memory / 2**30:.2f} "
                f"GiB) is the free plan's ({free.peak_memory / 2**30:.2f} GiB)")
-        return {"free": free, "per_layer": per_layer}, {"capped": why}
+        return {"free": free, "per_layer": per_layer, **compiled}, {"capped": why}
     capped = autoshard.plan(traced, cluster, memory_limit=(free.peak_memory + per_layer.peak_memory) / 2)
-    return {"free": free, "capped": capped, "per_layer": per_layer}, {}
+    return {"free": free, "capped": capped, "per_layer": per_layer, **compiled}, {}
 
 
 def plan_simulated(device: torch.device) -> dict[str, autoshard.Plan]:
@@ -171,7 +177,8 @@ def plan_simulated(device: torch.device) -> dict[str, autoshard.Plan]:
             "2d": autoshard.plan(traced, autoshard.Cluster.local(4, (2, 2)), allow=allow_for(traced, ("dp", "tp")))}
 
 
-def make_plans(size: str, dtype: torch.dtype, device: torch.device, names: list[str] | None = None) -> dict:
+def make_plans(size: str, dtype: torch.dtype, device: torch.device, names: list[str] | None = None,
+               inductor: bool = False) -> dict:
     """Every plan the run needs, traced for ``device``, as the JSON document ``--plan-only`` writes."""
     cluster = one_device(size)
     doc = {"size": size, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
@@ -180,7 +187,7 @@ def make_plans(size: str, dtype: torch.dtype, device: torch.device, names: list[
         if names and case.name not in names:
             continue
         t0 = time.perf_counter()
-        plans, skipped = plan_case(case, cluster, dtype, device)
+        plans, skipped = plan_case(case, cluster, dtype, device, inductor)
         doc["models"][case.name] = {name: json.loads(p.to_json()) for name, p in plans.items()}
         doc["skipped"][case.name] = skipped
         print(f"planned {case.name} in {time.perf_counter() - t0:.1f}s: " + ", ".join(
@@ -267,10 +274,14 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def run_eager(case: Case, batches, device, dtype, lr: float, per_layer: bool) -> Run:
+def run_eager(case: Case, batches, device, dtype, lr: float, mode: str) -> Run:
+    """The plain model: ``mode`` "none", "per layer" (checkpointed layers) or "compiled"
+    (``torch.compile`` of the whole model, the reference of an inductor plan)."""
     model = case.build(device, dtype)
-    if per_layer:
+    if mode == "per layer":
         model.blocks = nn.ModuleList(_Checkpointed(b) for b in model.blocks)
+    if mode == "compiled":
+        model = torch.compile(model)
     try:
         return train(lambda b: b, model, batches, device, lr)
     finally:
@@ -308,11 +319,12 @@ def losses_match(got: list[float], want: list[float], rtol: float) -> bool:
 
 def measure_case(case: Case, plans: dict[str, autoshard.Plan], device, dtype, steps: int, lr: float) -> list[dict]:
     batches = case.batches(steps, device)
-    eager = {mode: _attempt(f"{case.name} eager ({mode})", run_eager, case, batches, device, dtype, lr,
-                            mode == "per layer") for mode in ("none", "per layer")}
+    modes = ("none", "per layer") + (("compiled",) if "free_inductor" in plans else ())
+    eager = {mode: _attempt(f"{case.name} eager ({mode})", run_eager, case, batches, device, dtype, lr, mode)
+             for mode in modes}
     rows = []
     for name, plan in plans.items():
-        mode = "per layer" if name == "per_layer" else "none"
+        mode = {"per_layer": "per layer", "free_inductor": "compiled"}.get(name, "none")
         run, error = _attempt(f"{case.name} {name}", run_plan, case, plan, batches, device, dtype, lr)
         ref, ref_error = eager[mode]
         plain = eager["none"][0]   # the loss reference: recompute changes no value
@@ -483,6 +495,9 @@ def main(argv=None) -> int:
                          "the saved plans to run (default: plan in process)")
     ap.add_argument("--models", nargs="*", default=None, choices=[c.name for c in CASES["full"]],
                     help="a subset of the models")
+    ap.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
+                    help="also the free plan compiled by inductor, against torch.compile of the plain model, for "
+                         f"{' and '.join(INDUCTOR_MODELS)} (default: with CUDA)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--out", type=Path, default=OUT / "gpu.json")
@@ -496,7 +511,8 @@ def main(argv=None) -> int:
     else:
         size = args.size or ("full" if args.plan_only or torch.cuda.is_available() else "tiny")
         dtype = getattr(torch, args.dtype or ("bfloat16" if size == "full" else "float32"))
-        doc = make_plans(size, dtype, _device(), args.models)
+        inductor = torch.cuda.is_available() if args.inductor is None else args.inductor
+        doc = make_plans(size, dtype, _device(), args.models, inductor)
         if args.plan_only:
             path = args.plans or OUT / "gpu_plans.json"
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--plan", metavar="PATH", default=None,
                    help="run a saved plan (JSON from --save-plan or examples/plan_gpt2.py) instead of planning")
     p.add_argument("--save-plan", metavar="PATH", default=None, help="rank 0 writes the plan as JSON here")
+    p.add_argument("--backend", choices=["eager", "inductor"], default=None,
+                   help="run the program op by op or compiled by inductor (default: the --plan's, else eager)")
     return p.parse_args()
 
 
@@ -103,7 +105,7 @@ def main() -> None:
         plan = autoshard.Plan.from_json(open(args.plan).read()) if args.plan else None
 
         t0 = time.perf_counter()
-        dmodel = autoshard.compile(model, cluster, example, plan=plan)
+        dmodel = autoshard.compile(model, cluster, example, plan=plan, backend=args.backend)
         log(f"{dist.get_backend()} x {world_size}, {cluster}: compiled in {time.perf_counter() - t0:.1f}s; "
             f"{dmodel.plan!r}")
         if args.save_plan and rank == 0:

@@ -6,6 +6,12 @@ flash-attention kernels, in ``passes/rules``); bytes are the global sizes of the
 inputs and outputs (a roofline's memory traffic); views, getitem and other aliasing ops cost
 nothing. Costs are global: a strategy divides them by its shard count.
 
+Under a fusing compiler (``backend="inductor"``) an elementwise op read by another elementwise op
+or a reduction of the same phase runs inside that reader's kernel: it launches no kernel of its
+own, that reader reads nothing of it, and it writes its value only for readers that do not fuse
+it (:func:`fused`). ``OpCost.fused_bytes`` is what an op moves then, ``OpCost.absorbed`` whether it
+launches nothing (docs/design.md, "Backends").
+
 Example::
 
     >>> annotate(traced)
@@ -34,6 +40,8 @@ class OpCost:
     out_bytes: float      # bytes of the op's outputs
     phase: str            # "fwd" | "bwd" | "input"
     dtype: torch.dtype    # compute dtype (of the largest output)
+    fused_bytes: float | None = None   # bytes moved under a fusing compiler (None: as ``bytes``)
+    absorbed: bool = False             # under a fusing compiler, computed inside a reader's kernel
 
 
 def tensor_bytes(val, dtype: torch.dtype | None = None) -> float:
@@ -86,6 +94,13 @@ def _flops(node: fx.Node) -> float:
     return float(formula(*args, **kwargs, out_val=node.meta.get("val")))
 
 
+def _source(node: fx.Node) -> fx.Node:
+    """The op whose value ``node`` is a view of (itself if it is none)."""
+    while is_free(node) and node.op == "call_function" and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
 def phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """Forward = the nodes before the first one that reads a tangent; backward = the rest.
 
@@ -99,11 +114,58 @@ def phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
     return out
 
 
+aten = torch.ops.aten
+# Reductions and normalizations inductor lowers to loops over their input, into which it fuses
+# the elementwise ops that feed them (it also fuses elementwise readers into some of them, which
+# is not counted: a reduction's output is always written).
+_FUSIBLE_REDUCTIONS = frozenset({
+    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+    aten.amin.default, aten.var_mean.correction, aten._softmax.default, aten._log_softmax.default,
+    aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
+    aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
+})
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The ops that read ``node``'s value, through views (which a fused kernel indexes into)."""
+    out = []
+    for u in node.users:
+        out += _readers(u) if is_free(u) else [u]
+    return out
+
+
+def _fuses(reader: fx.Node, node: fx.Node, phase: dict[fx.Node, str]) -> bool:
+    """Whether a fusing compiler computes ``node`` inside ``reader``'s kernel: an elementwise op
+    or a fusible reduction, of the same phase (the forward and backward graphs compile apart)."""
+    return (is_pointwise(reader) or reader.target in _FUSIBLE_REDUCTIONS) and phase.get(reader) == phase[node]
+
+
+def fused(gm: fx.GraphModule, phase: dict[fx.Node, str]) -> dict[fx.Node, bool]:
+    """The elementwise ops a fusing compiler computes inside their readers' kernels (those with
+    a reader that fuses them, :func:`_fuses`), each mapped to whether its value is still written
+    for a reader that does not: a matmul, attention, a collective, the other phase (a value
+    saved for backward) or the graph's output. Nothing is fused into matmuls or attention."""
+    out = {}
+    for node in gm.graph.nodes:
+        if not is_pointwise(node) or is_free(node):
+            continue
+        readers = _readers(node)
+        fusing = [u for u in readers if _fuses(u, node, phase)]
+        if fusing:
+            out[node] = len(fusing) < len(readers)
+    return out
+
+
 def annotate(gm: fx.GraphModule) -> None:
     """Fill ``node.meta["autoshard.cost"]`` for every placeholder and call_function node."""
     from autoshard.passes import rules  # noqa: F401 - registers autoshard's own formulas and rules
 
     phase = phases(gm)
+    inside = fused(gm, phase)
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
@@ -114,6 +176,11 @@ def annotate(gm: fx.GraphModule) -> None:
         if node.op == "placeholder" or is_free(node):
             cost = OpCost(0.0, 0.0, out_b, phase[node], dtype)
         else:
-            in_b = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-            cost = OpCost(_flops(node), in_b + out_b, out_b, phase[node], dtype)
+            ins = [(a, tensor_bytes(a.meta.get("val"))) for a in node.all_input_nodes]
+            in_b = sum(b for _, b in ins)
+            # what a fused kernel reads from memory: not the values computed inside it
+            outside = sum(b for a, b in ins if not (_source(a) in inside and _fuses(node, _source(a), phase)))
+            written = inside.get(node, True)
+            cost = OpCost(_flops(node), in_b + out_b, out_b, phase[node], dtype,
+                          fused_bytes=outside + (out_b if written else 0.0), absorbed=node in inside)
         node.meta[META_KEY] = cost

@@ -148,6 +148,7 @@ class Problem:
     # token-local regions (passes/regions.py), per region and mesh dim: [(node, strategies that
     # split tokens on that dim)]; every member takes one of its listed strategies, or none does
     ties: list[list[tuple[fx.Node, tuple[int, ...]]]] = field(default_factory=list)
+    backend: str = "eager"                                      # what runs the ops (costmodel.BACKENDS)
 
     def src_placement(self, e: Edge, s: int):
         return e.src.meta[META_KEY].strategies[s].outputs[e.src_out]
@@ -174,26 +175,28 @@ def _restrict(node: fx.Node, placements, what: str) -> list[int]:
 
 
 def formulate(traced, cluster, constraints: dict | None = None, allow=None, micro_batches: int = 1,
-              followers: bool = True) -> Problem:
+              followers: bool = True, backend: str = "eager") -> Problem:
     """``allow(node, strategy) -> bool`` (optional) limits the strategies the solver may pick;
     hand-written strategies (autoshard.baselines) are such limits on this same problem.
     ``followers``: align each follower marked by passes/coarsen.py with the input it follows.
 
     ``micro_batches`` K: one step runs the graph K times (gradient accumulation); every compute
     cost and resharding counts K times except the gradients' reduction to storage, which runs
-    once, on the last micro-batch (the earlier ones accumulate unreduced: solver/memory.py)."""
+    once, on the last micro-batch (the earlier ones accumulate unreduced: solver/memory.py).
+    ``backend``: how the program's ops run ("eager" or "inductor"), which prices them
+    (costmodel.compute_time)."""
     policy = getattr(traced, "mixed_precision", None)
     param_dtype = getattr(policy, "param_dtype", None)  # the runtime gathers it when narrower
     reduce_dtype = getattr(policy, "reduce_dtype", None)
     storage = {node: Storage(node) for _, node in traced.params}
     nodes = [n for n in traced.gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].alias_of is None]
     nodes += storage.values()
-    cost = _costs(traced, cluster, nodes, micro_batches)
+    cost = _costs(traced, cluster, nodes, micro_batches, backend)
     rep = tuple([Replicate()] * cluster.ndim)
     allowed = _allowed(traced, cluster, nodes, storage, constraints, allow, rep)
     block = {n: (n.meta.get(LAYER_KEY) or (None, None))[1] for n in nodes}
     problem = Problem(nodes, cost, allowed, block=block, overlap=cluster.device.comm_overlap,
-                      micro_batches=micro_batches, storage=storage)
+                      micro_batches=micro_batches, storage=storage, backend=backend)
     _gather_edges(problem, param_dtype)
     _input_edges(problem, traced, followers, reduce_dtype)
     _output_edges(problem, traced, rep)
@@ -202,7 +205,7 @@ def formulate(traced, cluster, constraints: dict | None = None, allow=None, micr
     return problem
 
 
-def _costs(traced, cluster, nodes: list, micro_batches: int) -> dict:
+def _costs(traced, cluster, nodes: list, micro_batches: int, backend: str) -> dict:
     """c[v,s]: an op's compute time under each strategy, K times per step; a Storage decision's,
     the optimizer's update of its shard (once per step, not per micro-batch)."""
     trained = {node for name, node in traced.params if traced.grads.get(name) is not None}
@@ -211,7 +214,7 @@ def _costs(traced, cluster, nodes: list, micro_batches: int) -> dict:
     def compute(n) -> list[float]:
         strategies = n.meta[META_KEY].strategies
         return list(per_strategy_list(priced, strategies, n.meta.get(COST_KEY), lambda: [
-            micro_batches * costmodel.compute_time(cluster, n, s) for s in strategies]))
+            micro_batches * costmodel.compute_time(cluster, n, s, backend) for s in strategies]))
 
     return {n: [costmodel.optimizer_time(cluster, n.param, s, n.param in trained) for s in n.meta[META_KEY].strategies]
             if isinstance(n, Storage) else compute(n) for n in nodes}
@@ -406,7 +409,7 @@ def _shared_nodes(problem: Problem, r) -> Problem:
     return Problem(nodes, cost, {v: problem.allowed[v] for v in nodes},
                    block={v: problem.block.get(v) for v in nodes}, overlap=problem.overlap,
                    micro_batches=problem.micro_batches,
-                   storage={p: st for p, st in problem.storage.items() if p in cost})
+                   storage={p: st for p, st in problem.storage.items() if p in cost}, backend=problem.backend)
 
 
 def _merged_edges(problem: Problem, r) -> tuple[list[Edge], dict[Edge, Edge]]:

@@ -33,6 +33,8 @@ def runs(tmp_path_factory):
         # one plan, three files (a plan takes seconds; each file is written the same way alone)
         "html_dot": ["plan", "gpt-tiny", "--cluster", "cpu:1", "--batch", "4", "--out", "x.html", "--out", "x.dot",
                      "--out", "y.json", "-q"],
+        "inductor": ["plan", "gpt-tiny", "--cluster", "cpu:1", "--batch", "4", "--backend", "inductor", "--out",
+                     "z.json", "-q"],
         "clusters": ["clusters"],
         "bad_preset": ["plan", "gpt-tiny", "--cluster", "nosuch:2"],
         "missing_model": ["plan", "no-such-model", "--cluster", "cpu:1"],
@@ -57,6 +59,14 @@ def test_plan_json_output(runs):
     assert "step" in r["json"].stdout and "parameter storage" in r["json"].stdout   # the summary printed
     assert "parameter storage" not in r["html_dot"].stdout                           # -q: no summary
     assert "wrote x.html" in r["html_dot"].stderr
+
+
+def test_plan_for_the_inductor_backend(runs):
+    d, r = runs
+    assert r["inductor"].returncode == 0, r["inductor"].stderr
+    fused, eager = Plan.load(d / "z.json"), Plan.load(d / "y.json")   # the same model, batch and cluster
+    assert (fused.backend, eager.backend) == ("inductor", "eager")
+    assert fused.compute_time < eager.compute_time
 
 
 def test_plan_html_and_dot_outputs(runs):

@@ -90,6 +90,22 @@ def test_gpu_bench_at_tiny_size_matches_eager(bench, tmp_path):
 
 
 @pytest.mark.world(1)
+def test_gpu_bench_inductor_rows_match_eager(bench, tmp_path):
+    """``--inductor``: the free plan priced and compiled for inductor trains as eager PyTorch does,
+    and its reference is torch.compile of the plain model."""
+    out = tmp_path / "gpu.json"
+    run = _torchrun(1, "bench/gpu.py", "--out", str(out), "--inductor", "--models", "gpt2-small", timeout=400)
+    assert out.exists(), run.stderr[-4000:]
+    rows = {r["plan"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {*bench.PLANS, "free_inductor"}
+    r = rows["free_inductor"]
+    assert r["error"] is None and r["eager_error"] is None, (r["error"], r["eager_error"])
+    assert r["eager_recompute"] == "compiled" and r["step_ms"] > 0 and r["eager_step_ms"] > 0
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["eager_losses"]), rtol=FP32_RTOL, atol=0)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
+@pytest.mark.world(1)
 def test_train_example_under_torchrun_matches_eager():
     run = _torchrun(1, "examples/train.py", "--steps", "3", timeout=120)
     assert run.returncode == 0, run.stderr[-4000:]

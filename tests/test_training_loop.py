@@ -25,6 +25,16 @@ three steps the parameters' distance from the single device's is at most 5% of h
 moved them (measured 2.6%: the flipped elements are few). The SGD step moves a parameter by its
 clipped gradient (clipping only shrinks), so it agrees as the gradients do.
 
+Under inductor (the ``-inductor`` setups: ``compile(backend="inductor")``) the same loops run the
+compiled programs against the same single-device eager loop. Loss, gradients and norms keep their
+bounds. Fused kernels evaluate fp32 expressions in another order and keep bf16 elementwise chains
+in fp32 between ops (eager rounds after each), so AdamW's sign flips of near-zero gradients (above)
+happen in fp32 too: the fp32 parameters after three AdamW steps are bounded as the bf16 ones are,
+relative to how far the steps moved them, at 1e-3 (measured 4.3e-5; the largest element 1.6e-5
+apart, against eager's 6.2e-6), and bf16's at 10% (measured 6.1% and 6.2%, eager 2.6%). The
+gradients accumulated in bf16 over K micro-batches agree to 4 bf16 steps of the largest
+(measured 2.06; eager's bound is 2); the fp32 ones keep 1e-5 (measured 6e-8).
+
 Collectives are counted by a dispatch mode on every rank: each micro-batch issues exactly its
 emitted graphs' collectives, the first one adds the storage -> working gathers (once per step)
 and the synchronizing one the gradient moves to storage (once per step), each bucketed into one
@@ -55,17 +65,25 @@ BF16_NORM, BF16_NORM_LATER = 2**-10, 2**-7      # relative
 BF16_UPDATE = 0.05                               # of the distance the AdamW steps moved the parameters
 
 SETUPS_2 = {
-    # name: (mesh, constraints, policy, lr, global batch[, K the plan is priced for]); a batch of
-    # 64 makes DDP's gradient all-reduce cheaper than gathering activations, so the plan has
-    # gradient collectives
+    # name: (mesh, constraints, policy, lr, global batch[, K the plan is priced for[, backend]]);
+    # a batch of 64 makes DDP's gradient all-reduce cheaper than gathering activations, so the
+    # plan has gradient collectives
     "ddp-fp32": (None, "ddp", None, LR32, 64),
     "megatron-fp32": (None, "megatron", None, LR32, 8),
     "fsdp-bf16-k4": (None, "fsdp", tc.BF16, LR16, 64, 4),  # planned for K = 4
+    "ddp-fp32-inductor": (None, "ddp", None, LR32, 64, 1, "inductor"),
+    "fsdp-bf16-k4-inductor": (None, "fsdp", tc.BF16, LR16, 64, 4, "inductor"),
 }
 SETUPS_4 = {
     "2d-ddp-fp32": ((2, 2), "ddp2d", None, LR32, 64),
     "2d-zero_x_tensor-bf16": ((2, 2), "zero_x_tensor", tc.BF16, LR16, 8, 4),
+    "2d-data_x_tensor-fp32-inductor": ((2, 2), "data_x_tensor", None, LR32, 8, 1, "inductor"),
+    "2d-zero_x_tensor-bf16-inductor": ((2, 2), "zero_x_tensor", tc.BF16, LR16, 8, 4, "inductor"),
 }
+# inductor's parameters after the AdamW steps (module doc): fp32 relative to how far the steps
+# moved them, bf16 as the eager update bound, wider
+INDUCTOR_UPDATE_FP32, INDUCTOR_UPDATE_BF16 = 1e-3, 0.1
+INDUCTOR_BF16_GRAD = 4 * 2**-8   # of the largest gradient, summed over the K micro-batches
 
 # name: ({(gradient's placements, storage)} of the gradients that move, {(storage, working copy)}
 # of the parameters gathered once per step: what the module holds; the collectives micro-batch 0
@@ -95,6 +113,12 @@ def runs():
 
 
 CASES = [(2, n) for n in SETUPS_2] + [(4, n) for n in SETUPS_4]
+EAGER = [(w, n) for w, n in CASES if not n.endswith("-inductor")]   # collectives counted (train_cases)
+
+
+def _inductor(world: int, name: str) -> bool:
+    spec = (SETUPS_2 if world == 2 else SETUPS_4)[name]
+    return len(spec) > 6 and spec[6] == "inductor"
 
 
 def _bf16_ulp(x: float) -> float:
@@ -124,8 +148,13 @@ def test_adamw_schedule_and_clipping_track_single_device(runs, world, name):
                 bounds |= {f"loss{i}": 2 * _bf16_ulp(s["ref_loss"][i]),
                            f"grad{i}": (BF16_GRAD_LATER if i else BF16_GRAD) * s["grad_scale"][i],
                            f"norm{i}": (BF16_NORM_LATER if i else BF16_NORM) * want}
+        assert r["backend"] == ("inductor" if _inductor(world, name) else "eager"), (rank, r["backend"])
         if bf16:
-            errors["update"], bounds["update"] = s["update"], BF16_UPDATE
+            errors["update"] = s["update"]
+            bounds["update"] = INDUCTOR_UPDATE_BF16 if _inductor(world, name) else BF16_UPDATE
+        elif _inductor(world, name):
+            bounds = dict.fromkeys(errors, ATOL)
+            errors["update"], bounds["update"] = s["update"], INDUCTOR_UPDATE_FP32
         else:
             errors["param"] = s["param"]
             bounds = dict.fromkeys(errors, ATOL)
@@ -142,15 +171,16 @@ def test_accumulation_equals_single_device_over_the_same_micro_batches(runs, wor
         assert a["grad_dtypes"] == ["torch.float32"], (rank, name, a["grad_dtypes"])
         errors = {"grad": a["grad"], "norm": abs(a["norm"] - a["ref_norm"]), "param": a["param"]}
         if bf16:
-            bounds = {"grad": BF16_GRAD * a["grad_scale"], "norm": BF16_NORM * a["ref_norm"],
-                      "param": BF16_GRAD * a["grad_scale"]}
+            steps = INDUCTOR_BF16_GRAD if _inductor(world, name) else BF16_GRAD
+            bounds = {"grad": steps * a["grad_scale"], "norm": BF16_NORM * a["ref_norm"],
+                      "param": steps * a["grad_scale"]}
         else:
             bounds = dict.fromkeys(errors, ATOL)
         off = _off(errors, bounds)
         assert not off, f"rank {rank}, {name}: {off}"
 
 
-@pytest.mark.parametrize("world,name", CASES)
+@pytest.mark.parametrize("world,name", EAGER)
 def test_once_per_step_collectives_counted_match_a_hand_count(runs, world, name):
     grads, gathers, first, last = ONCE[name]
     for rank, res in enumerate(runs[world]):
@@ -185,6 +215,11 @@ def test_bf16_parameter_gathers_move_bf16(runs):
                 continue
             for rank, res in enumerate(runs[world]):
                 a = res[name]["accum"]
+                if _inductor(world, name):
+                    # not counted (train_cases._accumulate): the compiled graph's gathers only; the
+                    # working copies are gathered outside it, by the eager setups' code
+                    assert set(a["param_gathers"]) <= {"torch.bfloat16"}, (rank, name, a["param_gathers"])
+                    continue
                 # gathers in the graph, at the parameter's consumers, and the working copies
                 # gathered once per step (what micro-batch 0 adds to the graph's)
                 once = Counter(a["kinds"][0]) - Counter(a["graph_kinds"])

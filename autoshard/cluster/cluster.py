@@ -197,20 +197,22 @@ class Cluster:
         """Vendor peak FLOP/s of one device for ``dtype`` (see :meth:`DeviceSpec.flops`)."""
         return self.device.flops(dtype)
 
-    def compute_time(self, flops: float, nbytes: float, dtype: torch.dtype = torch.float32) -> float:
+    def compute_time(self, flops: float, nbytes: float, dtype: torch.dtype = torch.float32,
+                     launch: bool = True) -> float:
         """Roofline time of one kernel on one device, in seconds::
 
             max(flops / (peak(dtype) * compute_efficiency),
                 nbytes / (memory_bandwidth * memory_efficiency)) + launch_overhead
 
-        and exactly 0.0 for no work (ops that are views or no-ops launch nothing)."""
+        and exactly 0.0 for no work (ops that are views or no-ops launch nothing). ``launch=False``:
+        work done inside another op's kernel (fused), without the launch."""
         if flops < 0 or nbytes < 0:
             raise ValueError(f"compute_time needs flops >= 0 and nbytes >= 0, got {flops}, {nbytes}")
         if flops == 0 and nbytes == 0:
             return 0.0
         d = self.device
         return max(flops / (d.flops(dtype) * d.compute_efficiency),
-                   nbytes / (d.memory_bandwidth * d.memory_efficiency)) + d.launch_overhead
+                   nbytes / (d.memory_bandwidth * d.memory_efficiency)) + (d.launch_overhead if launch else 0.0)
 
     def collective_time(self, kind: str, nbytes: float, mesh_dims: int | str | Sequence[int | str]) -> float:
         """Seconds for one collective over the ranks spanned by ``mesh_dims`` (ints or dim names).

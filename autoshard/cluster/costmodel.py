@@ -105,10 +105,20 @@ def resharding_time(cluster, src, dst, nbytes: float, bucketed: bool = False) ->
     return sum(c.time for c in resharding(cluster, src, dst, nbytes, bucketed))
 
 
-def compute_time(cluster, node, strategy) -> float:
+BACKENDS = ("eager", "inductor")
+
+
+def compute_time(cluster, node, strategy, backend: str = "eager") -> float:
+    """The op's time under ``strategy`` as ``backend`` runs it: eager, one kernel per op reading
+    its inputs and writing its outputs; inductor, elementwise chains fused into their readers
+    (passes/annotate.py: an absorbed op launches nothing, a fused kernel moves only what enters
+    and leaves it)."""
     cost = node.meta.get(COST_KEY)
     if cost is None or (cost.flops == 0 and cost.bytes == 0):
         return 0.0
+    if backend == "inductor" and cost.fused_bytes is not None:
+        return cluster.compute_time(cost.flops / strategy.shards, cost.fused_bytes / strategy.shards, cost.dtype,
+                                    launch=not cost.absorbed)
     return cluster.compute_time(cost.flops / strategy.shards, cost.bytes / strategy.shards, cost.dtype)
 
 

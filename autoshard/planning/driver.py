@@ -13,6 +13,7 @@ from torch import nn
 
 from autoshard import _torch
 from autoshard.cluster import Cluster
+from autoshard.cluster.costmodel import BACKENDS
 from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
 from autoshard.passes.coarsen import LAYER_KEY, mark_followers, repeated_layers
 from autoshard.passes.coverage import coverage_gaps, report_gaps
@@ -78,17 +79,24 @@ def prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mix
     return traced, fallbacks, gaps
 
 
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ConstraintError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
+
+
 def solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True, allow=None,
            grad_accumulation: int = 1, followers: bool = True, progress: Progress | None = None,
-           cutoff: float | None = None):
+           cutoff: float | None = None, backend: str = "eager"):
     if recompute not in (True, False, "full"):
         raise ConstraintError(f"recompute must be True, False or 'full', not {recompute!r}")
+    check_backend(backend)
     progress = progress or Progress(False)
     with progress.stage("formulating"):
         layers = repeated_layers(traced)  # also marks each node's block copy (the overlap rows' blocks)
         if followers:
             mark_followers(traced)
-        problem = formulate(traced, cluster, constraints, allow, micro_batches=grad_accumulation, followers=followers)
+        problem = formulate(traced, cluster, constraints, allow, micro_batches=grad_accumulation, followers=followers,
+                            backend=backend)
         limit = float(cluster.memory_limit if memory_limit is None else memory_limit)
         mm = memory_model(traced, problem, cluster, limit, OPTIMIZER_STATE_PER_PARAM_BYTE)
         if not recompute:

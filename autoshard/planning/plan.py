@@ -74,6 +74,9 @@ class Plan:
     # placeholder node name -> the parameter it holds ("primals_3" -> "h.0.attn.c_attn.weight"), so a
     # report can name it; empty in plans saved before it was recorded
     param_names: dict[str, str] = field(default_factory=dict)
+    # what runs the ops, which the compute times were priced for (cluster/costmodel.py): a plan
+    # runs only under it
+    backend: str = "eager"
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:
@@ -129,7 +132,11 @@ class Plan:
 
         return Cluster.from_json(self.cluster).fingerprint()
 
-    def check_matches(self, fingerprint: str, cluster_json: str) -> None:
+    def check_matches(self, fingerprint: str, cluster_json: str, backend: str = "eager") -> None:
+        if backend != self.backend:
+            raise PlanMismatchError(f"this plan was priced for the {self.backend!r} backend, not {backend!r} (fused "
+                                    f"kernels change each op's time, and so the best plan): compile it with "
+                                    f"backend={self.backend!r}, or re-plan with backend={backend!r}")
         if fingerprint != self.fingerprint:
             raise PlanMismatchError(f"this plan was made for another model or input shapes (graph {self.fingerprint}, "
                                     f"this model's is {fingerprint}), or traced for another device or torch "

@@ -69,7 +69,8 @@ def price(traced, cluster, problem, solution, fallbacks, gaps=(), limit=None) ->
         breakdown={"compute": compute, "comm": comm_time, "exposed_comm": exposed, "recompute": recompute_time,
                    "recompute_comm": recompute_comm, "optimizer": optimizer},
         grad_accumulation=problem.micro_batches, peak_moment=solution.memory.moment,
-        saved_for_backward=solution.memory.saved, param_names={node.name: name for name, node in traced.params})
+        saved_for_backward=solution.memory.saved, param_names={node.name: name for name, node in traced.params},
+        backend=problem.backend)
 
 
 def _collectives(cluster, problem, choice: dict) -> tuple[dict[str, list[dict]], list, dict[object, list[dict]]]:

@@ -135,7 +135,8 @@ def header_lines(plan) -> list[str]:
     gap_s = f"gap {gap:.2%}" if isinstance(gap, (int, float)) and math.isfinite(gap) else f"gap {gap}"
     mfu = f"MFU {plan.mfu * 100:.3g}%" if plan.mfu is not None else "MFU n/a"
     recompute = sum(n.recompute for n in plan.nodes)
-    return [f"plan for mesh {mesh} ({device}); graph {plan.fingerprint}",
+    compiled = "" if getattr(plan, "backend", "eager") == "eager" else f"; ops run by {plan.backend}"
+    return [f"plan for mesh {mesh} ({device}); graph {plan.fingerprint}{compiled}",
             f"step {fmt_time(plan.step_time)} predicted ({', '.join(parts)}) | {mfu}",
             f"{mem} | solver {s.get('status')} ({s.get('backend', '?')}), {gap_s}"
             + (f" | {recompute} nodes recomputed" if recompute else "")]

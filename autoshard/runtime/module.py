@@ -91,7 +91,7 @@ class _PlanStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, module: "DistributedModule", *primals):
-        outs = module._fw(*module._working_copies(primals))
+        outs = module._run["_fw"](*module._working_copies(primals))
         n = module._num_outputs
         saved = outs[n:]
         tensors = [s for s in saved if isinstance(s, torch.Tensor)]
@@ -117,7 +117,7 @@ class _PlanStep(torch.autograd.Function):
         # the graph that reduces each block's gradients itself, unless there are unreduced sums
         # to move with them (accumulation): those go through _take_grads after the plain graph
         in_graph = sync and module._bw_sync is not None and not module.__dict__["_unreduced"]
-        grads = list((module._bw_sync if in_graph else module._bw)(args))
+        grads = list(module._run["_bw_sync" if in_graph else "_bw"](args))
         n_params = len(module._param_names)
         # drops each parameter's entry once it is delivered
         module._take_grads(grads, sync, module._reduced if in_graph else frozenset())
@@ -153,16 +153,22 @@ class DistributedModule(nn.Module):
                  params: dict[str, DTensor], buffers: dict[str, torch.Tensor], input_placements: list,
                  input_meta: list, aliases: dict[str, str] | None = None, grad_placements: list | None = None,
                  reduce_dtype: torch.dtype | None = None, grad_accumulation: int = 1, mixed_precision=None,
-                 working: dict | None = None, bw_sync: fx.GraphModule | None = None, reduced=()):
+                 working: dict | None = None, bw_sync: fx.GraphModule | None = None, reduced=(),
+                 backend: str = "eager"):
         super().__init__()
         self.plan = plan
         self.mesh = mesh
+        self.backend = backend
         # The graphs are code, not state: kept out of the submodules so that their constants do
         # not show up in state_dict(), parameters() or a checkpoint.
         self.__dict__["_fw"], self.__dict__["_bw"] = fw, _boxed(bw)
         # bw with each block's gradient reductions in it (passes/bucket.py); ``reduced``: the
         # gradients it hands over reduced, in their parameter's storage placement
         self.__dict__["_bw_sync"] = None if bw_sync is None or mesh.size() == 1 else _boxed(bw_sync)
+        # what runs each graph: the graph itself, or its compiled program (made on the first call)
+        run = _torch.inductor if backend == "inductor" else (lambda gm: gm)
+        self.__dict__["_run"] = {k: None if self.__dict__[k] is None else run(self.__dict__[k])
+                                 for k in ("_fw", "_bw", "_bw_sync")}
         self._reduced = frozenset(reduced)
         self._num_outputs = num_outputs
         self._param_names = list(params)
