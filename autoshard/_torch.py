@@ -402,7 +402,11 @@ def inductor(gm: torch.fx.GraphModule) -> Callable:
     (``fullgraph``: a part that cannot compile is an error, not a silent fallback) for the shapes it
     was traced at; torch's own caches keep the compiled code across processes. torch.compile does
     not run under a dispatch mode (a FLOP counter, a memory tracker): there ``gm`` runs as it is,
-    with a warning."""
+    with a warning. ``.compiled_calls`` on the result counts the calls that ran compiled.
+
+    Dynamo holds the caller's argument list until the compiled program returns, so a boxed
+    ``gm`` (one that empties its list to free each input at its last use) keeps its inputs, the
+    saved activations, to the end of the backward it computes (docs/design.md, "Backends")."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     _functional_gathers(gm)
@@ -413,16 +417,19 @@ def inductor(gm: torch.fx.GraphModule) -> Callable:
             warnings.warn("autoshard: a TorchDispatchMode is active, under which torch.compile does not run: "
                           "this call runs the program uncompiled", stacklevel=2)
             return gm(*args)
+        run.compiled_calls += 1
         return compiled(*args)
 
+    run.compiled_calls = 0
     return run
 
 
 def _functional_gathers(gm: torch.fx.GraphModule) -> None:
-    """torch 2.11's merged all-gather (:func:`merge_all_gathers`) writes into a buffer it made for
-    the bucket (``all_gather_into_tensor_out``, its input a slice of that buffer), which inductor
-    cannot functionalize: each becomes the functional all-gather of the same input, where nothing
-    reads the buffer after the gather (the same values; the result is a new tensor)."""
+    """A merged all-gather (:func:`merge_all_gathers`) writes into a buffer made for the bucket
+    (``all_gather_into_tensor_out``, its input a slice of that buffer), which inductor cannot
+    functionalize on torch 2.11: each becomes the functional all-gather of the same input where
+    nothing reads the buffer, or a view of it, after the gather (the same values in a new
+    tensor: one more bucket-sized buffer than eager holds)."""
     out_op = getattr(torch.ops._c10d_functional, "all_gather_into_tensor_out", None)
     if out_op is None:
         return
@@ -430,7 +437,7 @@ def _functional_gathers(gm: torch.fx.GraphModule) -> None:
     changed = False
     for node in list(gm.graph.find_nodes(op="call_function", target=out_op.default)):
         buf = node.kwargs.get("out")
-        if buf is None or any(position[u] > position[node] for u in buf.users if u is not node):
+        if buf is None or any(position[u] > position[node] for u in _views_of(buf) if u is not node):
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, node.args)
@@ -440,3 +447,15 @@ def _functional_gathers(gm: torch.fx.GraphModule) -> None:
         changed = True
     if changed:
         gm.recompile()
+
+
+def _views_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that read ``node``'s storage: its readers, and theirs through every view."""
+    out, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        out.append(user)
+        schema = getattr(user.target, "_schema", None)
+        if schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            todo.extend(user.users)
+    return out

@@ -56,6 +56,7 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
 
     ``backend``: what will run the program, "eager" (op by op) or "inductor" (compiled, elementwise
     chains fused), which prices each op (the plan records it and runs only under it)."""
+    check_backend(backend)
     if meshes is not None:
         from autoshard.planning import meshes as logical
 
@@ -122,6 +123,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     if backend is None:
         backend = plan.backend if plan is not None else "eager"
     check_backend(backend)
+    if plan is not None:
+        plan.check_backend(backend)   # before the trace: the mismatch is known already
     # the program is traced for the device it runs on: NCCL's ranks compute on GPUs, gloo's on
     # CPUs, a fake group's (simulated ranks, autoshard/runtime/simulate.py) on the model's device
     group_backend = dist.get_backend()

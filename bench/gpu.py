@@ -29,6 +29,11 @@ eager PyTorch on the same device, and the script prints three tables:
   CPU, the live tensor bytes of the last step by ``autoshard.memtrack.PeakMemory``, a step that is
   not timed), next to eager's and to ``plan.peak_memory``.
 
+With ``--inductor`` (the default where CUDA is), GPT-2 small and the 0.9B Llama also get a
+``free_inductor`` plan: the free plan priced for, and compiled by, inductor, whose eager reference
+is ``torch.compile`` of the plain model ("compiled" in the step-time table); the ``free`` row is
+the same plan's eager emitted module.
+
 Last, when ``autoshard.simulate`` is installed, a tiny GPT's FSDP-like and Megatron-like plans
 (2 ranks) and a 2-D data x tensor plan (2 x 2) run ``SIM_STEPS`` steps on simulated ranks in this
 process on the same device, each compared with the same steps on one device

@@ -9,8 +9,9 @@ nothing. Costs are global: a strategy divides them by its shard count.
 Under a fusing compiler (``backend="inductor"``) an elementwise op read by another elementwise op
 or a reduction of the same phase runs inside that reader's kernel: it launches no kernel of its
 own, that reader reads nothing of it, and it writes its value only for readers that do not fuse
-it (:func:`fused`). ``OpCost.fused_bytes`` is what an op moves then, ``OpCost.absorbed`` whether it
-launches nothing (docs/design.md, "Backends").
+it (:func:`fused`; inductor calls such an op inlined, and a value it writes realized).
+``OpCost.fused_bytes`` is what an op moves then, ``OpCost.inlined`` whether it launches nothing
+(docs/design.md, "Backends").
 
 Example::
 
@@ -30,6 +31,8 @@ import torch.fx as fx
 
 from autoshard import _torch
 
+aten = torch.ops.aten
+
 META_KEY = "autoshard.cost"
 
 
@@ -41,7 +44,7 @@ class OpCost:
     phase: str            # "fwd" | "bwd" | "input"
     dtype: torch.dtype    # compute dtype (of the largest output)
     fused_bytes: float | None = None   # bytes moved under a fusing compiler (None: as ``bytes``)
-    absorbed: bool = False             # under a fusing compiler, computed inside a reader's kernel
+    inlined: bool = False              # under a fusing compiler, computed inside a reader's kernel
 
 
 def tensor_bytes(val, dtype: torch.dtype | None = None) -> float:
@@ -114,7 +117,6 @@ def phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
     return out
 
 
-aten = torch.ops.aten
 # Reductions and normalizations inductor lowers to loops over their input, into which it fuses
 # the elementwise ops that feed them (it also fuses elementwise readers into some of them, which
 # is not counted: a reduction's output is always written).
@@ -127,7 +129,13 @@ _FUSIBLE_REDUCTIONS = frozenset({
 
 
 def is_pointwise(node: fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+    """Elementwise: torch's pointwise tag, and a cast of dtype alone (``_to_copy`` carries no tag,
+    and mixed precision puts one on every parameter and activation it narrows)."""
+    if node.op != "call_function":
+        return False
+    if node.target is aten._to_copy.default:
+        return set(node.kwargs) <= {"dtype", "layout", "memory_format"}
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:
@@ -146,9 +154,11 @@ def _fuses(reader: fx.Node, node: fx.Node, phase: dict[fx.Node, str]) -> bool:
 
 def fused(gm: fx.GraphModule, phase: dict[fx.Node, str]) -> dict[fx.Node, bool]:
     """The elementwise ops a fusing compiler computes inside their readers' kernels (those with
-    a reader that fuses them, :func:`_fuses`), each mapped to whether its value is still written
-    for a reader that does not: a matmul, attention, a collective, the other phase (a value
-    saved for backward) or the graph's output. Nothing is fused into matmuls or attention."""
+    a reader that fuses them, :func:`_fuses`), each mapped to whether its value is still realized
+    (written to memory) for a reader that does not fuse it: a matmul, attention, an op of the
+    other phase (a value saved for backward) or the graph's output. Nothing is fused into matmuls
+    or attention. Read off the traced graph, before any strategy: a resharding between two ops
+    would break their fusion, which the rule does not see."""
     out = {}
     for node in gm.graph.nodes:
         if not is_pointwise(node) or is_free(node):
@@ -180,7 +190,7 @@ def annotate(gm: fx.GraphModule) -> None:
             in_b = sum(b for _, b in ins)
             # what a fused kernel reads from memory: not the values computed inside it
             outside = sum(b for a, b in ins if not (_source(a) in inside and _fuses(node, _source(a), phase)))
-            written = inside.get(node, True)
+            realized = inside.get(node, True)
             cost = OpCost(_flops(node), in_b + out_b, out_b, phase[node], dtype,
-                          fused_bytes=outside + (out_b if written else 0.0), absorbed=node in inside)
+                          fused_bytes=outside + (out_b if realized else 0.0), inlined=node in inside)
         node.meta[META_KEY] = cost

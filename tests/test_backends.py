@@ -5,6 +5,7 @@ programs' numerics run in tests/test_training_loop.py (the ``-inductor`` setups)
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def test_a_fused_chain_reads_its_input_once_and_writes_its_end_once():
     mul, add, exp = (n.meta[META_KEY] for n in chain)
     assert [c.bytes for c in (mul, add, exp)] == [2 * N * 4] * 3
     assert (mul.fused_bytes, add.fused_bytes, exp.fused_bytes) == (N * 4, 0.0, N * 4)
-    assert (mul.absorbed, add.absorbed, exp.absorbed) == (True, True, False)
+    assert (mul.inlined, add.inlined, exp.inlined) == (True, True, False)
 
 
 def test_inductor_prices_the_fused_kernel():
@@ -75,7 +76,7 @@ def test_a_gpt_plan_under_inductor_records_it_and_computes_faster():
     eager = autoshard.plan(traced, cluster, progress=False)
     fused = autoshard.plan(traced, cluster, backend="inductor", progress=False)
     assert (eager.backend, fused.backend) == ("eager", "inductor")
-    # the residual adds run inside their layer norms' kernels, gelu's backward inside its readers'
+    # the residual adds run inside their layer norms' kernels (still written: backward reads them)
     assert fused.compute_time < eager.compute_time
     assert Plan.from_json(fused.to_json()).backend == "inductor"
     with pytest.raises(PlanMismatchError, match="backend='inductor'"):
@@ -124,7 +125,6 @@ def one_rank_inductor_case() -> dict:
     err = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
     dm.zero_grad()
     seen = Seen()
-    import warnings
     with warnings.catch_warnings(record=True) as caught, seen:
         warnings.simplefilter("always")
         dm(*batch).backward()

@@ -257,6 +257,8 @@ def setup_case(mesh_shape, constraints: str | None, policy: MixedPrecision | Non
     for explicit in (True, False):
         _reset(dm, ref, start)
         out["accum" if explicit else "accum_auto"] = _accumulate(dm, ref, policy, explicit)
+    # the graph calls that ran compiled (inductor; the counted micro-batches run uncompiled)
+    out["compiled_calls"] = sum(getattr(run, "compiled_calls", 0) for run in dm._run.values() if run is not None)
     return out
 
 

@@ -2,7 +2,9 @@
 
 compute(node, strategy) = cluster.compute_time(flops / shards, bytes / shards, dtype): the op
 runs on its local shard, split over the ranks of every mesh dim where any of its tensors is not
-replicated (a replicated mesh dim repeats the whole op on each rank).
+replicated (a replicated mesh dim repeats the whole op on each rank). For the inductor backend
+the bytes are the op's fused ones and an op inlined into its reader's kernel has no launch
+(passes/annotate.py).
 
 resharding(src -> dst) walks the mesh dims; on dim d the local tensor (the global one divided by
 the shards of the *other* dims) moves by one collective (ring formulas in cluster.py):
@@ -111,14 +113,14 @@ BACKENDS = ("eager", "inductor")
 def compute_time(cluster, node, strategy, backend: str = "eager") -> float:
     """The op's time under ``strategy`` as ``backend`` runs it: eager, one kernel per op reading
     its inputs and writing its outputs; inductor, elementwise chains fused into their readers
-    (passes/annotate.py: an absorbed op launches nothing, a fused kernel moves only what enters
+    (passes/annotate.py: an inlined op launches nothing, a fused kernel moves only what enters
     and leaves it)."""
     cost = node.meta.get(COST_KEY)
     if cost is None or (cost.flops == 0 and cost.bytes == 0):
         return 0.0
     if backend == "inductor" and cost.fused_bytes is not None:
         return cluster.compute_time(cost.flops / strategy.shards, cost.fused_bytes / strategy.shards, cost.dtype,
-                                    launch=not cost.absorbed)
+                                    launch=not cost.inlined)
     return cluster.compute_time(cost.flops / strategy.shards, cost.bytes / strategy.shards, cost.dtype)
 
 

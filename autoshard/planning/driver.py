@@ -80,6 +80,7 @@ def prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mix
 
 
 def check_backend(backend) -> None:
+    """A backend is named before anything is traced or solved, so a typo costs no planning."""
     if backend not in BACKENDS:
         raise ConstraintError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
 

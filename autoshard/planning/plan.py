@@ -133,10 +133,7 @@ class Plan:
         return Cluster.from_json(self.cluster).fingerprint()
 
     def check_matches(self, fingerprint: str, cluster_json: str, backend: str = "eager") -> None:
-        if backend != self.backend:
-            raise PlanMismatchError(f"this plan was priced for the {self.backend!r} backend, not {backend!r} (fused "
-                                    f"kernels change each op's time, and so the best plan): compile it with "
-                                    f"backend={self.backend!r}, or re-plan with backend={backend!r}")
+        self.check_backend(backend)
         if fingerprint != self.fingerprint:
             raise PlanMismatchError(f"this plan was made for another model or input shapes (graph {self.fingerprint}, "
                                     f"this model's is {fingerprint}), or traced for another device or torch "
@@ -147,6 +144,12 @@ class Plan:
         mine, theirs = Cluster.from_json(self.cluster), Cluster.from_json(cluster_json)
         if mine.mesh_shape != theirs.mesh_shape:
             raise PlanMismatchError(f"this plan is for mesh {mine.mesh_shape}, the cluster given has {theirs.mesh_shape}")
+
+    def check_backend(self, backend: str) -> None:
+        if backend != self.backend:
+            raise PlanMismatchError(f"this plan was priced for the {self.backend!r} backend, not {backend!r} (fused "
+                                    f"kernels change each op's time, and so the best plan): compile it with "
+                                    f"backend={self.backend!r}, or re-plan with backend={backend!r}")
 
     # ------------------------------------------------------------------ reading
     def strategy_of(self, name: str) -> str:
@@ -209,8 +212,9 @@ class Plan:
             memory={k: (self.memory.get(k, 0.0), other.memory.get(k, 0.0)) for k in mem_keys})
 
     def __repr__(self) -> str:
+        backend = "" if self.backend == "eager" else f", backend={self.backend!r}"
         return (f"Plan(step_time={self.step_time * 1e3:.3f} ms, peak_memory={self.peak_memory / 2**30:.2f} GiB, "
-                f"mesh={self.mesh_shape}, nodes={len(self.nodes)}, fallbacks={len(self.fallbacks)})")
+                f"mesh={self.mesh_shape}, nodes={len(self.nodes)}, fallbacks={len(self.fallbacks)}{backend})")
 
 
 def _held_by_param(plan: Plan) -> dict[str, float]:
