@@ -404,9 +404,10 @@ def inductor(gm: torch.fx.GraphModule) -> Callable:
     not run under a dispatch mode (a FLOP counter, a memory tracker): there ``gm`` runs as it is,
     with a warning. ``.compiled_calls`` on the result counts the calls that ran compiled.
 
-    Dynamo holds the caller's argument list until the compiled program returns, so a boxed
-    ``gm`` (one that empties its list to free each input at its last use) keeps its inputs, the
-    saved activations, to the end of the backward it computes (docs/design.md, "Backends")."""
+    Dynamo empties the caller's argument list only after the compiled program returns (so its
+    code reads; not measured), so a boxed ``gm`` (one that empties its list to free each input at
+    its last use) likely keeps its inputs, the saved activations, to the end of the backward it
+    computes (docs/design.md, "Backends")."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     _functional_gathers(gm)
