@@ -278,6 +278,12 @@ def reduce_scatter_async(t: torch.Tensor, ranks: int, group_name: str) -> torch.
     return torch.ops._c10d_functional.reduce_scatter_tensor(t, "sum", ranks, group_name)
 
 
+def all_to_all_async(t: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group_name: str) -> torch.Tensor:
+    """Start an all-to-all of ``t``'s rows (dim 0) over the named process group: ``input_sizes[j]``
+    rows go to rank j, ``output_sizes[j]`` come from it, in rank order; ready after :func:`wait`."""
+    return torch.ops._c10d_functional.all_to_all_single(t, output_sizes, input_sizes, group_name)
+
+
 def wait(t: torch.Tensor) -> torch.Tensor:
     """The result of a functional collective, once it has arrived."""
     return torch.ops._c10d_functional.wait_tensor(t)

@@ -35,6 +35,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.errors import CoverageGapError
 from autoshard.passes.graph import META_KEY as STRATEGIES, output_options, tensor_inputs, value_of
+from autoshard.passes.rules import attention
 
 META_KEY = "autoshard.coverage"
 
@@ -74,12 +75,16 @@ def _sharded(p) -> bool:
 
 # Inputs no local strategy can take sharded, by op and schema argument: a norm's weight and bias
 # span the dims it normalizes over, and sharding those needs every rank's statistics (the
-# normalized input shards on its other dims instead, as sequence parallelism does).
+# normalized input shards on its other dims instead, as sequence parallelism does); attention's
+# keys and values, where neither batch nor heads split, are read whole by every query (the
+# queries shard by sequence instead: context parallelism, passes/rules/attention.py).
 INHERENT: dict[str, frozenset[str]] = {
     "aten::native_layer_norm": frozenset({"weight", "bias"}),
     "aten::native_layer_norm_backward": frozenset({"weight", "bias"}),
     "aten::_fused_rms_norm": frozenset({"weight"}),
     "aten::_fused_rms_norm_backward": frozenset({"weight"}),
+    "aten::_scaled_dot_product_flash_attention_for_cpu": frozenset({"key", "value"}),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": frozenset({"key", "value"}),
 }
 
 
@@ -131,9 +136,10 @@ def coverage_gaps(gm: fx.GraphModule) -> list[Gap]:
             if all(_replicated(s.inputs[k]) for s in ns.strategies) and \
                     any(_sharded(p) for p in output_options(a)):
                 producer, _ = value_of(a)
+                hint = f"; {attention.no_sequence_split(node)}" if attention.is_attention(node) else ""
                 found.append(Gap(node.name, str(node.target), a.name,
                                  f"every strategy replicates input {k} ({a.name}, {tuple(a.meta['val'].shape)}), "
-                                 f"which {producer.name} can hand over sharded", source_line(node)))
+                                 f"which {producer.name} can hand over sharded{hint}", source_line(node)))
         if found:
             node.meta[META_KEY] = found
             gaps += found

@@ -28,10 +28,20 @@ class Strategy:
     outputs: tuple[Placements | None, ...]   # per tensor output of the op
     inputs: tuple[Placements | None, ...]    # per tensor input (tensor_inputs(node) order)
     shards: int = 1                          # ranks the op's work is split over
+    # the slowest rank's work over an even share (1: even; causal attention split by sequence into
+    # contiguous chunks: the last chunk sees every key, passes/rules/attention.py)
+    imbalance: float = 1.0
+    variant: str = ""                        # how the op runs these placements, where there are two ways
+
+    @property
+    def work_shards(self) -> float:
+        """The op's time divides by this: its shards, less the slowest rank's excess."""
+        return self.shards / self.imbalance
 
     @cached_property
     def text(self) -> str:
-        return ",".join(map(placements_str, self.inputs)) + "->" + ",".join(map(placements_str, self.outputs))
+        text = ",".join(map(placements_str, self.inputs)) + "->" + ",".join(map(placements_str, self.outputs))
+        return f"{text} {self.variant}" if self.variant else text
 
     def __str__(self) -> str:
         return self.text

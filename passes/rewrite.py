@@ -64,8 +64,9 @@ _SIZED = {torch.ops.aten.new_zeros.default: 1, torch.ops.aten.new_empty.default:
 
 def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
     """A token-local region's op (passes/regions.py) on this rank's own tokens, or an op of
-    ``rules.LOCAL`` (a convolution) on its local shards: inputs moved to the planned placements and taken
-    local, the op run as on a smaller batch or fewer channels (sizes and groups made local), and
+    ``rules.LOCAL`` (a convolution, attention) on its local shards: inputs moved to the planned placements and taken
+    local, the op run as on a smaller batch or fewer channels (sizes and groups made local) or on
+    its own query rows (a causal offset), and
     the outputs wrapped as the planned placements of the whole tensors."""
     inputs = iter(strategy.inputs)
     arg = lambda a: env[a] if a.op == "get_attr" else to_placements(env[a], next(inputs), reduce_dtype).to_local()  # noqa: E731
@@ -80,9 +81,10 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
     elif node.target in _SIZED:
         i = _SIZED[node.target]
         args = (*args[:i], list(local[0]), *args[i + 1:])
-    elif node.target in rules.LOCAL:
-        args = rules.LOCAL[node.target](node, args)
-    out = node.target(*args, **kwargs)
+    if node.target in rules.LOCAL:
+        out = rules.LOCAL[node.target](node, args, kwargs, strategy, mesh)
+    else:
+        out = node.target(*args, **kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     wrapped = tuple(t if p is None else DTensor.from_local(t, mesh, p, run_check=False, shape=v.shape, stride=v.stride())
                     for t, p, v in zip(outs, strategy.outputs, vals))

@@ -6,7 +6,8 @@ input placement is the solver's edge cost. Rules are DTensor's own registry (so 
 is what DTensor runs), plus autoshard's rules for ops torch lacks (``passes/rules``), asked so
 that none narrows the set (passes/dtensor_rules.py); an op no rule takes is planned Replicate and
 reported in the result's ``fallback`` (``strict`` raises). A token-local MoE region's ops also
-get the strategies that run them on each rank's own tokens (passes/regions.py).
+get the strategies that run them on each rank's own tokens (passes/regions.py), and causal
+attention its sequence splits (``rules.EXTRA``: context parallelism, passes/rules/attention.py).
 
 Only even sharding is kept (every sharded dim divides by its shard count), and no strided shards
 or masked partials (vocab-parallel embedding), so local shapes, costs and numerics are exact.
@@ -31,6 +32,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch
 from autoshard.errors import NoShardingRuleError
+from autoshard.passes import rules  # registers autoshard's own rules with DTensor's registry
 from autoshard.passes.dtensor_rules import even, rule_placements
 from autoshard.passes.graph import (  # the fact types stay importable from the pass that makes them
     META_KEY, NodeStrategies, Placements, Strategy, args_key, picked_output, tensor_inputs, tensor_vals)
@@ -81,6 +83,10 @@ def _strategies(node: fx.Node, mesh, mesh_shape, rep) -> tuple[list[Strategy], s
     for outs, ins in raw:
         if _keep(node, outs, ins, mesh_shape) and not _scatters_into_split_dim(node, outs, ins):
             seen.setdefault(Strategy(outs, ins, _shards(outs, ins, mesh_shape)))
+    extra = rules.EXTRA.get(node.target)
+    for outs, ins, imbalance, variant in (extra(node, mesh_shape) if extra else ()):
+        if _keep(node, outs, ins, mesh_shape):
+            seen.setdefault(Strategy(outs, ins, _shards(outs, ins, mesh_shape), imbalance, variant))
     # Canonical order: DTensor's rules iterate sets whose order varies between processes
     # (string hashing), and every rank must see the same problem to pick the same plan.
     strategies = sorted(seen, key=str)
@@ -113,8 +119,6 @@ def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dic
     ``memo`` (a dict kept with the graph: ``TracedModel.strategy_memo``) holds each mesh shape's
     result, so planning the same graph again on a mesh of that shape (a baseline, another logical
     mesh, another memory cap) does not enumerate again: strategies depend on the mesh's shape only."""
-    from autoshard.passes import rules  # noqa: F401 - registers autoshard's own rules
-
     mesh_shape = tuple(mesh.shape)
     if memo is not None and mesh_shape in memo:
         found, fallbacks = memo[mesh_shape]

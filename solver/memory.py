@@ -295,7 +295,7 @@ def memory_model(traced, problem, cluster, limit: float, optimizer_factor: float
     if problem.micro_batches > 1:
         _accumulated_gradients(mm, problem)
     fwd = [v for v in problem.nodes if v.op == "call_function" and v.meta[COST_KEY].phase == "fwd"]
-    _working_sets(mm, traced, problem)
+    _working_sets(mm, traced, problem, tuple(mesh))
     _activations(mm, fwd, local_outputs)
     graph = traced.gm.graph
     phase, mm.phase_names = backward_phases(graph, mm.block)
@@ -335,17 +335,32 @@ def _accumulated_gradients(mm: MemoryModel, problem) -> None:
             mm.state[e.src] = [a + b for a, b in zip(mm.state.get(e.src, [0.0] * len(held)), held)]
 
 
-def _working_sets(mm: MemoryModel, traced, problem) -> None:
-    """work[v,s]: each op's working set under each strategy."""
+def _working_sets(mm: MemoryModel, traced, problem, mesh_shape) -> None:
+    """work[v,s]: each op's working set under each strategy: its outputs and inputs, each at its
+    local size under s (an input s wants whole, such as the keys and values of attention split
+    by sequence, is whole here)."""
     stateful = {node for _, node in [*traced.params, *traced.buffers]} | set(traced.inputs)
+    cache: dict = {}
     for v in problem.nodes:
         if v.op == "call_function":
             # inputs counted elsewhere stay out of the op's working set: parameters, buffers and
             # the batch (state), and in backward the forward values it reads (saved or recomputed)
+            strategies = v.meta[META_KEY].strategies
+            if v.meta[COST_KEY].bytes == 0:   # a view: it allocates nothing
+                mm.work[v] = [0.0] * len(strategies)
+                continue
             backward = v.meta[COST_KEY].phase == "bwd"
-            own = v.meta[COST_KEY].bytes - sum(tensor_bytes(a.meta.get("val")) for a in v.all_input_nodes
-                                               if _base(a) in stateful or backward and _phase(_base(a)) == "fwd")
-            mm.work[v] = [own / s.shards for s in v.meta[META_KEY].strategies]
+            first: dict[fx.Node, int] = {}
+            for k, a in enumerate(tensor_inputs(v)):
+                first.setdefault(a, k)
+            counted = tuple((k, tensor_bytes(a.meta.get("val"))) for a, k in first.items()
+                            if not (_base(a) in stateful or backward and _phase(_base(a)) == "fwd"))
+            outs = tuple(_outputs_bytes(v))
+            mm.work[v] = list(per_strategy_list(cache, strategies, (outs, counted), lambda: [
+                sum(costmodel.local_bytes(b, s.outputs[k] if k < len(s.outputs) else None, mesh_shape)
+                    for k, b in enumerate(outs))
+                + sum(costmodel.local_bytes(b, s.inputs[k], mesh_shape) for k, b in counted)
+                for s in strategies]))
 
 
 def _activations(mm: MemoryModel, fwd: list[fx.Node], local_outputs) -> None:

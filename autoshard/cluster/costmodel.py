@@ -2,7 +2,11 @@
 
 compute(node, strategy) = cluster.compute_time(flops / shards, bytes / shards, dtype): the op
 runs on its local shard, split over the ranks of every mesh dim where any of its tensors is not
-replicated (a replicated mesh dim repeats the whole op on each rank). For the inductor backend
+replicated (a replicated mesh dim repeats the whole op on each rank). Where the split is uneven
+in work (causal attention split by sequence), ``shards`` is divided by the strategy's
+``imbalance``: the slowest rank sets the time. An op that communicates inside itself under a
+strategy (``rules.INLINE_COMM``: the balanced causal split's all-to-alls) adds those collectives'
+time, in line with it. For the inductor backend
 the bytes are the op's fused ones and an op inlined into its reader's kernel has no launch
 (passes/annotate.py).
 
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import collectives
+from autoshard.passes import rules
 from autoshard.passes.annotate import META_KEY as COST_KEY, tensor_bytes
 
 # Which gradient reductions and gathers go in flat buckets is the runtime's rule
@@ -118,10 +123,12 @@ def compute_time(cluster, node, strategy, backend: str = "eager") -> float:
     cost = node.meta.get(COST_KEY)
     if cost is None or (cost.flops == 0 and cost.bytes == 0):
         return 0.0
+    inline = rules.INLINE_COMM.get(node.target)
+    comm = inline(cluster, node, strategy) if inline is not None else 0.0
     if backend == "inductor" and cost.fused_bytes is not None:
-        return cluster.compute_time(cost.flops / strategy.shards, cost.fused_bytes / strategy.shards, cost.dtype,
-                                    launch=not cost.inlined)
-    return cluster.compute_time(cost.flops / strategy.shards, cost.bytes / strategy.shards, cost.dtype)
+        return comm + cluster.compute_time(cost.flops / strategy.work_shards, cost.fused_bytes / strategy.work_shards,
+                                           cost.dtype, launch=not cost.inlined)
+    return comm + cluster.compute_time(cost.flops / strategy.work_shards, cost.bytes / strategy.work_shards, cost.dtype)
 
 
 # AdamW reads p, g, m, v and writes p, m, v: 7 shard-sized passes through memory, what a fused

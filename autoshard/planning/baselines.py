@@ -17,6 +17,9 @@ dropped):
 * ``megatron``: (dp, tp) on (W/t, t), tensor-parallel degree t a divisor of G, t > 1: TP inside
   the node, data parallel across.
 * ``tp_fsdp``: (fsdp, tp) on (W/t, t), t as megatron: 2-D, FSDP across the TP groups.
+* ``fsdp_cp``: (fsdp, cp) on (W/c, c), context-parallel degree c a divisor of G, c > 1, or
+  c = W across nodes: the sequence split, attention by its queries' sequence with keys and values
+  gathered, parameters sharded over all W and gathered per use (torchtitan's FSDP x CP).
 * ``axonn_4d``: (dp, fsdp, tp, tp) on (data, z, y, x) with x * y = G split near-square (x >= y,
   x inner, G >= 4), and z in {N, 1} (data = N/z): AxoNN's 3-D tensor grid (weights as 2-D blocks over
   x, y and sharded further over z, gathered before use), data parallel outside; on one node of
@@ -66,6 +69,13 @@ def _tp(c: Cluster):
     return [(w // t, t) for t in divisors(math.gcd(g, w)) if t > 1]
 
 
+def _cp(c: Cluster):
+    """(W/c, c) for c a divisor of G, c > 1, and (1, W) across nodes: a batch of one sequence
+    splits over no fsdp dim."""
+    w = c.world_size
+    return _tp(c) + ([(1, w)] if w > c.ranks_per_node else [])
+
+
 def _axonn(c: Cluster):
     w, g = c.world_size, c.ranks_per_node
     if w % g or g < 4:
@@ -93,6 +103,7 @@ BASELINES: dict[str, Baseline] = {b.name: b for b in (
     Baseline("megatron", ("dp", "tp"), _tp),
     Baseline("tp_fsdp", ("fsdp", "tp"), _tp),
     Baseline("axonn_4d", ("dp", "fsdp", "tp", "tp"), _axonn),
+    Baseline("fsdp_cp", ("fsdp", "cp"), _cp),
 )}
 _AXONN_NAMES = ("data", "z", "y", "x")
 

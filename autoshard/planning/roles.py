@@ -15,10 +15,14 @@ tp         Shard(any) if >= 2-D, else   Shard(any) if >= 2-D (colwise or    Repl
            Replicate                    rowwise: the solver picks), else
                                         any
 data       Replicate or Shard(any)      Replicate                           Shard(0) (batch)
+cp         Shard(any dim)               Replicate (all-gathered per use)    Shard(1) (sequence)
 free       any                          any                                 any
 =========  ===========================  ==================================  =====================
 
-"data" is dp or fsdp, per parameter, as the solver likes; "free" leaves a dim to the solver (the
+"cp" is context parallelism as torchtitan runs it beside FSDP: the sequence is split, every
+attention op splits its queries' sequence on that dim (keys and values gathered), and parameters
+are stored sharded over it too and gathered per use, like fsdp's. "data" is dp or fsdp, per
+parameter, as the solver likes; "free" leaves a dim to the solver (the
 pruned 3-D candidates of :mod:`autoshard.planning.meshes` use ("data", "free", "free")). On dp, fsdp and
 data dims an op's outputs are split along the batch (dim 0) or not at all (Replicate, Partial):
 data parallelism, no sequence or feature splits; on AxoNN's x and y dims they are not split
@@ -37,6 +41,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.passes.annotate import is_free
+from autoshard.passes.rules import attention
 from autoshard.passes.graph import META_KEY, tensor_inputs, value_of
 from autoshard.passes.trace import TracedModel
 
@@ -52,7 +57,7 @@ def _stored_ok(role: str, p, nd: int) -> bool:
 def _consumed_ok(role: str, p, nd: int) -> bool:
     if role == "free":
         return True
-    if role in ("dp", "fsdp", "data"):
+    if role in ("dp", "fsdp", "data", "cp"):
         return isinstance(p, Replicate)
     return nd < 2 or isinstance(p, Shard)
 
@@ -60,13 +65,15 @@ def _consumed_ok(role: str, p, nd: int) -> bool:
 def _input_ok(role: str, p) -> bool:
     if role == "free":
         return True
+    if role == "cp":
+        return isinstance(p, Shard) and p.dim == 1
     return isinstance(p, Shard) and p.dim == 0 if role in ("dp", "fsdp", "data") else isinstance(p, Replicate)
 
 
 def _batch_ok(role: str, p, grid: bool) -> bool:
     """Data-parallel dims split the batch (dim 0) and nothing else; a tensor grid's dims (AxoNN's
     x, y) leave the batch to the data dims."""
-    if not isinstance(p, Shard) or role == "free":
+    if not isinstance(p, Shard) or role in ("free", "cp"):
         return True
     if role == "tp":
         return not grid or p.dim in (1, -1) or p.dim >= 2
@@ -109,6 +116,9 @@ def allow_for(traced: TracedModel, roles: tuple[str, ...]):
             return all(_input_ok(r, p) for r, p in zip(roles, s.outputs[0]))
         if node in root or node.op != "call_function":
             return True
+        if attention.is_attention(node) and any(
+                r == "cp" and attention.sequence_mesh_dim(node, s) != d for d, r in enumerate(roles)):
+            return False
         if not is_free(node) and not all(_batch_ok(r, p[d], grid) for d, r in enumerate(roles)
                                          for p in s.outputs if p is not None):
             return False

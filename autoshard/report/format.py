@@ -95,7 +95,9 @@ def per_dim(plan, strategy: str) -> list[str]:
     if parsed is None:
         return [strategy] + [""] * (ndim - 1)
     ins, outs = parsed
-    return [(_runs([p[d] for p in ins]) + " -> " + _runs([p[d] for p in outs])).strip() for d in range(ndim)]
+    cells = [(_runs([p[d] for p in ins]) + " -> " + _runs([p[d] for p in outs])).strip() for d in range(ndim)]
+    variant = strategy[strategy.rfind(")") + 1:].strip()   # how the op runs them ("balanced"): once, last
+    return cells[:-1] + [f"{cells[-1]} ({variant})"] if variant else cells
 
 
 def _runs(items: list[str]) -> str:

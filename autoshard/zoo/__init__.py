@@ -129,6 +129,7 @@ class LlamaConfig:
 
     ``kv_heads`` < ``heads`` gives grouped-query attention (each K/V head serves
     ``heads // kv_heads`` query heads); ``None`` means ``heads`` (multi-head attention).
+    ``causal=False`` makes every position attend to every other (an encoder's attention).
     """
 
     vocab: int = 128
@@ -140,6 +141,7 @@ class LlamaConfig:
     layers: int = 2
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    causal: bool = True
 
     def __post_init__(self) -> None:
         kv = self.heads if self.kv_heads is None else self.kv_heads
@@ -194,7 +196,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaBlock(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.causal = c.heads, c.kv_heads, c.head_dim, c.causal
         self.attn_norm = RMSNorm(c.hidden, c.norm_eps)
         self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
         self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
@@ -216,7 +218,7 @@ class LlamaBlock(nn.Module):
         if self.kv_heads != self.heads:  # GQA: repeat each K/V head for its group of query heads
             rep = self.heads // self.kv_heads
             k, v = (z.repeat_interleave(rep, dim=1) for z in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.o(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))

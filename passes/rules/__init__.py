@@ -7,6 +7,12 @@ so planning (passes/dtensor_rules.py) and execution (DTensor at run time) see th
 from autoshard.passes.rules import (  # noqa: F401
     attention, conv, grouped_mm, index, layer_norm, norm_pool, pad, pointwise, scatter)
 
-# op -> its arguments made local, given its local tensors: ops the rewriter runs on local shards
-# itself rather than through DTensor's dispatch (passes/rewrite.py)
-LOCAL = {**conv.LOCAL}
+# op -> (node, local args, kwargs, strategy, mesh) -> its local outputs: ops the rewriter runs on
+# local shards itself rather than through DTensor's dispatch (passes/rewrite.py)
+LOCAL = {**conv.LOCAL, **attention.LOCAL}
+# op -> (node, mesh shape) -> [(outputs, inputs, imbalance, variant)]: strategies autoshard adds
+# that no DTensor rule may hold, because only the rewriter runs them right (passes/strategies.py)
+EXTRA = {**attention.EXTRA}
+# op -> (cluster, node, strategy) -> seconds of the collectives the op runs inside, under that
+# strategy (autoshard/cluster/costmodel.py)
+INLINE_COMM = {**attention.INLINE_COMM}

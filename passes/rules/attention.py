@@ -1,4 +1,4 @@
-"""CPU flash attention: FLOP formulas and DTensor sharding rules.
+"""CPU flash attention: FLOP formulas, DTensor sharding rules and context parallelism.
 
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward) is what every
 ``F.scaled_dot_product_attention`` becomes on CPU. torch 2.13 has neither a FLOP formula for it
@@ -7,12 +7,34 @@ and per head, so on each mesh dim it may be sharded on dim 0 (batch) or dim 1 (h
 the output, the log-sum-exp and all gradients alike; the all-Replicate rule is implied. A mask
 (transformers' SDPA path passes one of (batch, 1, q, k)) splits along with the batch or heads
 where it has that dim, and is replicated where it broadcasts.
+
+Context parallelism splits the sequence (dim 2) of the queries, the output and the log-sum-exp:
+each rank attends its own query rows to every key, so keys and values are whole (gathered: the
+resharding the solver prices) and, in backward, their gradients are partial sums over ranks
+(reduced: priced alike). Without a causal mask that is a plain DTensor rule, registered below
+(a mask splits along its query dim). With one, a rank's rows at global positions ``o + i`` see
+keys ``j <= o + i``: the kernel run on the local rows needs that offset, which DTensor's rule
+cannot pass, so these strategies are autoshard's own (:func:`context_strategies`) and the
+rewriter runs the op itself with the offset mask (:func:`_local`). Two variants, priced apart
+for the ILP to choose:
+
+* contiguous: rank r computes chunk r of the queries, so the last rank of ``cp`` has the most
+  work, ``(2 cp - 1) / cp`` times an even share (the strategy's ``imbalance``: the cost model
+  prices the slowest rank);
+* balanced (``variant="balanced"``): the query-row tensors move inside the op, by one all-to-all
+  each, to the layout where rank r holds half-chunks r and 2 cp - 1 - r (equal causal work on
+  every rank), and the row results move back; outside the op everything stays contiguous, so
+  positions and the model's own masks need nothing. The all-to-alls are priced with the op
+  (:func:`exchange_time`).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch
 
@@ -33,6 +55,7 @@ _torch.register_flop_formula([FWD.overloadpacket], _fwd_flops)
 _torch.register_flop_formula([BWD.overloadpacket], _bwd_flops)
 
 S = _torch.ShardingPlaceholder
+R, P = Replicate(), Partial()
 
 
 def _mask(args_schema, kwargs_schema, position: int):
@@ -44,12 +67,13 @@ def _mask(args_schema, kwargs_schema, position: int):
 
 
 def _with_mask(rules, mask, query):
-    """A mask broadcasts over (batch, heads, q, k): it follows a batch or head split where it has
-    that dim in full, and stays whole where it is broadcast (size 1)."""
+    """A mask broadcasts over (batch, heads, q, k): it follows a batch, head or query split where
+    it has that dim in full, and stays whole where it is broadcast (size 1). ``rules``: (query dim
+    split, single-dim rule) pairs."""
     if mask is None:
-        return rules
+        return [rule for _, rule in rules]
     out = []
-    for d, rule in zip((0, 1), rules):
+    for d, rule in rules:
         lead = len(mask.shape) - 4 + d   # the mask's dim aligned with query's dim d, if any
         if lead < 0 or mask.shape[lead] == 1:
             out.append(rule + [Replicate()])
@@ -58,15 +82,189 @@ def _with_mask(rules, mask, query):
     return out
 
 
+def _causal(args_schema, kwargs_schema, position: int) -> bool:
+    if len(args_schema) > position:
+        return bool(args_schema[position])
+    return bool(kwargs_schema.get("is_causal", False))
+
+
+# placements of a sequence split, on one mesh dim, in rule order
+_SEQ_FWD = [S(2), S(2), S(2), R, R]                    # out, lse <- q, k, v
+_SEQ_BWD = [S(2), P, P, S(2), S(2), R, R, S(2), S(2)]  # gq, gk, gv <- go, q, k, v, out, lse
+
+
 @_torch.register_single_dim_strategy(FWD)
 def _fwd_rule(op, args_schema, kwargs_schema):
     # [out, logsumexp, query, key, value, (attn_mask)]
-    rules = [[S(d)] * 5 for d in (0, 1)]
+    rules = [(d, [S(d)] * 5) for d in (0, 1)]
+    if not _causal(args_schema, kwargs_schema, 4):
+        rules.append((2, list(_SEQ_FWD)))
     return _with_mask(rules, _mask(args_schema, kwargs_schema, 5), args_schema[0])
 
 
 @_torch.register_single_dim_strategy(BWD)
 def _bwd_rule(op, args_schema, kwargs_schema):
     # [grad_q, grad_k, grad_v, grad_out, query, key, value, out, logsumexp, (attn_mask)]
-    rules = [[S(d)] * 9 for d in (0, 1)]
+    rules = [(d, [S(d)] * 9) for d in (0, 1)]
+    if not _causal(args_schema, kwargs_schema, 7):
+        rules.append((2, list(_SEQ_BWD)))
     return _with_mask(rules, _mask(args_schema, kwargs_schema, 8), args_schema[1])
+
+
+# op -> (number of outputs, position of is_causal, index of the query among tensor inputs)
+_LAYOUT = {FWD: (2, 4, 0), BWD: (3, 7, 1)}
+
+
+def is_attention(node) -> bool:
+    return node.op == "call_function" and node.target in _LAYOUT
+
+
+def _node_causal(node) -> bool:
+    _, position, _ = _LAYOUT[node.target]
+    return bool(node.args[position]) if len(node.args) > position else bool(node.kwargs.get("is_causal", False))
+
+
+def _has_mask(node) -> bool:
+    return node.kwargs.get("attn_mask") is not None
+
+
+BALANCED = "balanced"   # the strategy variant that balances a causal split (see the module doc)
+
+
+def context_strategies(node, mesh_shape) -> list[tuple[tuple, tuple, float, str]]:
+    """Causal attention split by sequence on one mesh dim (batch, heads or nothing on the others),
+    for the strategy pass: (outputs, inputs, imbalance, variant) per strategy, each split both as
+    contiguous chunks (the last rank's excess work) and balanced (two half-chunks per rank, moved
+    there and back inside the op), where the sequence has 2 cp equal half-chunks. The non-causal
+    split is the registered rule above; a causal op with a mask tensor is left to it (batch and
+    heads)."""
+    if not _node_causal(node) or _has_mask(node):
+        return []
+    n_out, _, q = _LAYOUT[node.target]
+    length = node.args[q].meta["val"].shape[2]
+    seq = _SEQ_FWD if node.target is FWD else _SEQ_BWD
+    width = len(seq)
+    other = [[R] * width, [S(0)] * width, [S(1)] * width]
+    found = []
+    for cp_dim, cp in enumerate(mesh_shape):
+        per_dim = [[seq] if d == cp_dim else other for d in range(len(mesh_shape))]
+        for rules in itertools.product(*per_dim):
+            columns = [tuple(_concrete(rule[i]) for rule in rules) for i in range(width)]
+            outs, ins = tuple(columns[:n_out]), tuple(columns[n_out:])
+            found.append((outs, ins, (2 * cp - 1) / cp, ""))
+            if length % (2 * cp) == 0:
+                found.append((outs, ins, 1.0, BALANCED))
+    return found
+
+
+def _concrete(p):
+    return Shard(p.dim) if isinstance(p, S) else p
+
+
+def no_sequence_split(node) -> str:
+    """Why ``node`` (an attention op whose queries every strategy keeps whole) has no sequence
+    split, for the coverage report."""
+    length = node.args[_LAYOUT[node.target][2]].meta["val"].shape[2]
+    if _node_causal(node) and _has_mask(node):
+        return "a causal attention that also takes a mask tensor has no sequence split (pass one or the other)"
+    return (f"its queries' sequence ({length}) splits only over a mesh dim whose size divides it: pad the "
+            f"sequence to a multiple of the mesh dim's size")
+
+
+def sequence_mesh_dim(node, strategy) -> int | None:
+    """The mesh dim on which ``strategy`` splits the queries' sequence, if any."""
+    _, _, q = _LAYOUT[node.target]
+    placements = strategy.inputs[q]
+    for d, p in enumerate(placements or ()):
+        if isinstance(p, Shard) and p.dim == 2:
+            return d
+    return None
+
+
+def _causal_mask(rows: torch.Tensor, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """The additive mask letting query row ``i`` (at global position ``rows[i]``) see keys
+    ``j <= rows[i]``. On the CPU kernel it is a (local q, k) tensor per op: CPU runs are small;
+    a GPU kernel would take the offsets instead."""
+    visible = torch.arange(cols, device=like.device)[None, :] <= rows[:, None]
+    return torch.zeros(visible.shape, dtype=like.dtype, device=like.device).masked_fill(~visible, float("-inf"))
+
+
+def _contiguous_owner(g: int, cp: int) -> tuple[int, int]:
+    return g // 2, g % 2
+
+
+def _balanced_owner(g: int, cp: int) -> tuple[int, int]:
+    return (g, 0) if g < cp else (2 * cp - 1 - g, 1)
+
+
+def _move_halves(x: torch.Tensor, dim: int, rank: int, cp: int, group: str, to_balanced: bool) -> torch.Tensor:
+    """``x``'s two local half-chunks along ``dim`` moved between the contiguous layout (rank r:
+    half-chunks 2r, 2r+1) and the balanced one (rank r: r, 2 cp - 1 - r), by one all-to-all over
+    ``group``: each rank sends each half-chunk to its one new owner."""
+    src, dst = (_contiguous_owner, _balanced_owner) if to_balanced else (_balanced_owner, _contiguous_owner)
+    halves = x.movedim(dim, 0).chunk(2)
+    h = halves[0].shape[0]
+    mine = sorted((g for g in range(2 * cp) if src(g, cp)[0] == rank), key=lambda g: (dst(g, cp)[0], g))
+    theirs = sorted((g for g in range(2 * cp) if dst(g, cp)[0] == rank), key=lambda g: (src(g, cp)[0], g))
+    send = torch.cat([halves[src(g, cp)[1]] for g in mine])
+    sizes_in = [h * sum(dst(g, cp)[0] == j for g in mine) for j in range(cp)]
+    sizes_out = [h * sum(src(g, cp)[0] == j for g in theirs) for j in range(cp)]
+    got = _torch.wait(_torch.all_to_all_async(send, sizes_out, sizes_in, group)).split(h)
+    slots = sorted(zip(theirs, got), key=lambda t: dst(t[0], cp)[1])
+    return torch.cat([piece for _, piece in slots]).movedim(0, dim)
+
+
+def _local(node, args: tuple, kwargs: dict, strategy, mesh):
+    """Run the op on local shards. Under a causal sequence split, ``is_causal`` becomes a mask of
+    the rank's own query positions; the balanced variant first moves the query-row tensors to
+    their balanced owners and the query-row results back (the key and value gradients are
+    partial sums over every query, in any layout)."""
+    d = sequence_mesh_dim(node, strategy)
+    if d is None or not _node_causal(node):
+        return node.target(*args, **kwargs)
+    _, position, q = _LAYOUT[node.target]
+    query, key = args[q], args[q + 1]
+    rows, cols, rank, cp = query.shape[2], key.shape[2], mesh.get_local_rank(d), mesh.size(d)
+    if strategy.variant == BALANCED:
+        group = mesh.get_group(d).group_name
+        move = lambda t, there: _move_halves(t, 2, rank, cp, group, there)  # noqa: E731
+        rowwise = (0, 1, 4, 5) if node.target is BWD else (0,)   # grad_out, query, out, lse
+        args = tuple(move(a, True) if i in rowwise else a for i, a in enumerate(args))
+        h = rows // 2
+        positions = torch.cat([torch.arange(h) + rank * h, torch.arange(h) + (2 * cp - 1 - rank) * h])
+    else:
+        positions = torch.arange(rows) + rank * rows
+    mask = _causal_mask(positions.to(query.device), cols, query)
+    if len(args) > position:
+        args, kwargs = (*args[:position], False, *args[position + 1:]), {**kwargs, "attn_mask": mask}
+    else:
+        kwargs = {**kwargs, "is_causal": False, "attn_mask": mask}
+    out = node.target(*args, **kwargs)
+    if strategy.variant == BALANCED:   # the query-row results: out, lse; grad_query
+        back = (0, 1) if node.target is FWD else (0,)
+        out = tuple(move(t, False) if i in back else t for i, t in enumerate(out))
+    return out
+
+
+def exchange_time(cluster, node, strategy) -> float:
+    """Seconds of the balanced variant's all-to-alls inside the op (0 for any other strategy):
+    each moves one query-row tensor's local shard (forward: the query in, the output and
+    log-sum-exp back; backward: the output gradient, query, output and log-sum-exp in, the query
+    gradient back), in line with the op."""
+    if strategy.variant != BALANCED:
+        return 0.0
+    d = sequence_mesh_dim(node, strategy)
+    shards = math.prod(m for m, p in zip(cluster.mesh_shape, strategy.inputs[_LAYOUT[node.target][2]])
+                       if not isinstance(p, Replicate))
+    vals = [a.meta["val"] for a in node.args[:6] if hasattr(a, "meta")]
+    out_vals = node.meta["val"]
+    moved = [vals[0]] if node.target is FWD else [vals[i] for i in (0, 1, 4, 5)]
+    moved += list(out_vals[:2]) if node.target is FWD else [out_vals[0]]
+    return sum(cluster.collective_time("all_to_all", v.numel() * v.element_size() / shards, d) for v in moved)
+
+
+# ops the rewriter runs on local shards itself: the causal sequence split needs its offsets
+LOCAL = {FWD: _local, BWD: _local}
+EXTRA = {FWD: context_strategies, BWD: context_strategies}
+# ops whose strategies communicate inside the op, priced with its time (autoshard/cluster/costmodel.py)
+INLINE_COMM = {FWD: exchange_time, BWD: exchange_time}

@@ -74,17 +74,18 @@ def _local_groups(groups: int, local_channels: int, channels: int) -> int:
     return groups if groups == 1 else groups * local_channels // channels
 
 
-def _local_forward(node, args: tuple) -> tuple:
+def _local_forward(node, args: tuple, kwargs: dict, strategy, mesh):
     x_local, x = args[0], node.args[0].meta["val"]
-    return (*args[:8], _local_groups(args[8], x_local.shape[1], x.shape[1]), *args[9:])
+    return node.target(*args[:8], _local_groups(args[8], x_local.shape[1], x.shape[1]), *args[9:], **kwargs)
 
 
-def _local_backward(node, args: tuple) -> tuple:
+def _local_backward(node, args: tuple, kwargs: dict, strategy, mesh):
     x_local, w_local, x = args[1], args[2], node.args[1].meta["val"]
     bias_sizes = None if args[3] is None else [w_local.shape[0]]
-    return (*args[:3], bias_sizes, *args[4:9], _local_groups(args[9], x_local.shape[1], x.shape[1]), *args[10:])
+    return node.target(*args[:3], bias_sizes, *args[4:9], _local_groups(args[9], x_local.shape[1], x.shape[1]),
+                       *args[10:], **kwargs)
 
 
-# op -> its arguments made local, given the local tensors: the rewriter runs these ops on local
+# op -> run on the local tensors with its arguments made local: the rewriter runs these ops on local
 # shards itself (DTensor's convolution handler takes a sharded input for a spatial split)
 LOCAL = {aten.convolution.default: _local_forward, aten.convolution_backward.default: _local_backward}

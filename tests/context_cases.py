@@ -1,0 +1,87 @@
+"""Context-parallel numerics, run inside real gloo processes (module-level so spawned ranks import
+them).
+
+Each case compiles a tiny Llama (rotary positions, grouped-query attention, sequence 256) with
+every attention op and the batch pinned to a sequence split on one mesh dim (the rest of the plan
+free), runs
+forward, backward and one SGD step, and returns the largest deviation from the same step on one
+device: loss, every gradient, every parameter after the step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+import autoshard
+from autoshard.passes.rules.attention import BWD, FWD, sequence_mesh_dim
+from autoshard.zoo import Llama, LlamaConfig
+
+SEQ = 256
+
+
+def _model(kind: str, causal: bool):
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = Llama(LlamaConfig(seq=SEQ, hidden=64, heads=4, kv_heads=2, layers=2, causal=causal))
+        return model, model.example_inputs(2, generator=torch.Generator().manual_seed(1))
+    # a transformers model from its config (Llama: causal; BERT: bidirectional, learned positions)
+    import transformers
+    from autoshard.zoo import hf
+
+    config_fn, wrapper, cls_name, _ = hf.BUILDERS[kind]
+    config = config_fn("tiny")
+    config.max_position_embeddings = SEQ
+    model = wrapper(getattr(transformers, cls_name)(config))
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, config.vocab_size, (2, SEQ), generator=g) for _ in range(2))
+    return model, (ids, labels)
+
+
+def _sequence_split(model, inputs, cp_dim: int, data_dim: int | None, variant: str):
+    """An ``allow``: attention split by sequence on ``cp_dim`` (a causal one as ``variant``:
+    contiguous "" or "balanced"), the inputs too (and by batch on ``data_dim``); everything else
+    the solver's."""
+    batch = {n.name for n in autoshard.trace(model, inputs).inputs}
+
+    def allow(node, s) -> bool:
+        if node.op == "call_function" and node.target in (FWD, BWD):
+            return sequence_mesh_dim(node, s) == cp_dim and s.variant == variant
+        if node.name in batch:
+            return s.outputs[0][cp_dim] == Shard(1) and (data_dim is None or s.outputs[0][data_dim] == Shard(0))
+        return True
+    return allow
+
+
+def one_case(causal: bool, mesh_shape, cp_dim: int, data_dim: int | None, variant: str = "",
+             kind: str = "llama", backend: str = "eager", lr: float = 0.1) -> dict:
+    model, inputs = _model(kind, causal)
+    ref = copy.deepcopy(model)
+    cluster = autoshard.Cluster.local(dist.get_world_size(), mesh_shape)
+    dm = autoshard.compile(model, cluster, inputs, allow=_sequence_split(model, inputs, cp_dim, data_dim, variant),
+                           backend=backend)
+    opt = torch.optim.SGD(dm.parameters(), lr=lr)
+    loss = dm(*dm.shard_inputs(*inputs))
+    loss.backward()
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    err = {"loss": (loss.detach() - ref_loss.detach()).abs().item(), "grad": 0.0, "param": 0.0}
+    for name, p in dm.named_parameters():
+        err["grad"] = max(err["grad"], (p.grad.full_tensor() - ref.get_parameter(name).grad).abs().max().item())
+    opt.step()
+    torch.optim.SGD(ref.parameters(), lr=lr).step()
+    for name, p in dm.named_parameters():
+        err["param"] = max(err["param"], (p.full_tensor() - ref.get_parameter(name)).abs().max().item())
+    err["attention"] = sorted({n.strategy for n in dm.plan.nodes if "flash_attention" in n.op})
+    err["all_to_all"] = sum("all_to_all" in str(n.target) for g in (dm._fw, dm._bw) for n in g.graph.nodes)
+    err["inputs"] = list(dm.plan.inputs)
+    err["compiled_calls"] = sum(getattr(run, "compiled_calls", 0) for run in dm._run.values() if run is not None)
+    return err
+
+
+def run_cases(cases: dict[str, tuple]) -> dict:
+    """cases: name -> one_case's arguments."""
+    return {name: one_case(*spec) for name, spec in cases.items()}

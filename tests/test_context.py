@@ -1,0 +1,237 @@
+"""Context parallelism: attention split by its queries' sequence (passes/rules/attention.py).
+
+Numerics on real gloo processes against the single-device step (tests/context_cases.py), the
+strategies and their prices against hand formulas, and the solver's choice against the same
+problem without the sequence split.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autoshard
+import context_cases as cc
+from autoshard.cluster import costmodel
+from autoshard.errors import InfeasibleError
+from autoshard.passes.graph import META_KEY
+from autoshard.passes.rules.attention import is_attention, sequence_mesh_dim
+from autoshard.passes.strategies import find_strategies
+from autoshard.planning.baselines import plan_baseline
+from autoshard.runtime.launch import run_local
+from autoshard.zoo import Llama, LlamaConfig
+
+TOL = 1e-5
+SEQ_SPLIT = {"causal": "(S(2)),(R),(R)->(S(2)),(S(2))",
+             "backward": "(S(2)),(S(2)),(R),(R),(S(2)),(S(2))->(S(2)),(P),(P)"}
+
+CASES_2 = {  # name: (causal, mesh shape, cp mesh dim, data mesh dim, causal variant, model, backend)
+    "llama-causal": (True, (2,), 0, None),
+    "llama-causal-balanced": (True, (2,), 0, None, "balanced"),
+    "llama-bidirectional": (False, (2,), 0, None),
+    "transformers-llama-causal-balanced": (True, (2,), 0, None, "balanced", "hf_llama3"),
+    "transformers-bert-bidirectional": (False, (2,), 0, None, "", "bert"),
+    "llama-causal-balanced-inductor": (True, (2,), 0, None, "balanced", "llama", "inductor"),
+}
+CASES_4 = {
+    "llama-causal-cp4": (True, (4,), 0, None),
+    "llama-causal-balanced-cp4": (True, (4,), 0, None, "balanced"),
+    "llama-bidirectional-cp4": (False, (4,), 0, None),
+    "llama-causal-balanced-data_x_cp": (True, (2, 2), 1, 0, "balanced"),
+    "llama-bidirectional-data_x_cp": (False, (2, 2), 1, 0),
+}
+
+
+@pytest.fixture(scope="module")
+def results_2():
+    return run_local(cc.run_cases, 2, CASES_2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    return run_local(cc.run_cases, 4, CASES_4, timeout=900)
+
+
+def _check(results, name, spec):
+    causal, mesh_shape, cp_dim, data_dim = spec[:4]
+    balanced = spec[4:5] == ("balanced",)
+    for rank, res in enumerate(results):
+        err = res[name]
+        assert err["loss"] <= TOL and err["grad"] <= TOL and err["param"] <= TOL, (rank, err)
+    err = results[0][name]
+    # every attention op ran split by sequence on the cp dim, and so did the batch
+    for strategy in err["attention"]:
+        assert _query(strategy, len(mesh_shape))[cp_dim] == Shard(2), strategy
+        assert strategy.endswith(" balanced") == balanced, strategy
+    # the balanced split's exchanges are in the program: forward 3 per layer, backward 5
+    assert err["all_to_all"] >= (8 * 2 if balanced else 0), err["all_to_all"]
+    if spec[6:7] == ("inductor",):
+        assert err["compiled_calls"] > 0
+    for placements in err["inputs"]:
+        p = autoshard.notation.parse_placements(placements, len(mesh_shape))
+        assert p[cp_dim] == Shard(1) and (data_dim is None or p[data_dim] == Shard(0)), err["inputs"]
+
+
+@pytest.mark.parametrize("name", list(CASES_2))
+def test_sequence_split_attention_matches_one_device_on_two_ranks(results_2, name):
+    _check(results_2, name, CASES_2[name])
+
+
+@pytest.mark.parametrize("name", list(CASES_4))
+def test_sequence_split_attention_matches_one_device_on_four_ranks(results_4, name):
+    _check(results_4, name, CASES_4[name])
+
+
+# ---------------------------------------------------------------------------- strategies, prices
+def _attention_nodes(causal: bool, mesh_shape, seq: int = 64, heads: int = 4, batch: int = 2):
+    model = Llama(LlamaConfig(seq=seq, heads=heads, kv_heads=2, causal=causal))
+    traced = autoshard.trace(model, model.example_inputs(batch))
+    names = tuple(f"d{i}" for i in range(len(mesh_shape)))
+    find_strategies(traced.gm, autoshard._torch.planning_mesh(mesh_shape, names))
+    return traced, [n for n in traced.gm.graph.nodes if is_attention(n)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sequence_split_is_offered_with_the_slowest_ranks_share(causal):
+    _, nodes = _attention_nodes(causal, (4,))
+    for node in nodes:
+        split = [s for s in node.meta[META_KEY].strategies if sequence_mesh_dim(node, s) == 0]
+        assert [s.variant for s in split] == (["", "balanced"] if causal else [""]), [str(s) for s in split]
+        for s in split:
+            backward = len(s.outputs) == 3
+            assert str(s).split(" ")[0] == SEQ_SPLIT["backward" if backward else "causal"]
+            if backward:   # key and value gradients are sums over every rank's queries
+                assert s.outputs[1:] == ((Partial(),), (Partial(),))
+            # counted in (half-chunk x half-chunk) blocks, a diagonal one as half, causal attention
+            # over 8 half-chunks is 32 blocks; the last contiguous rank (half-chunks 6, 7) computes
+            # 6.5 + 7.5 = 14 of them (7/16, i.e. 2 cp - 1 of cp^2), a balanced rank (r, 7 - r)
+            # r + 0.5 + 7.5 - r = 8 (1/4, an even share)
+            share = 7 / 16 if causal and not s.variant else 4 / 16
+            assert s.shards == 4 and s.work_shards == pytest.approx(1 / share)
+
+
+def test_sequence_split_combines_with_batch_and_heads_on_a_2d_mesh():
+    _, nodes = _attention_nodes(True, (2, 2))
+    fwd = nodes[0]
+    texts = {str(s) for s in fwd.meta[META_KEY].strategies}
+    assert "(S(0),S(2)),(S(0),R),(S(0),R)->(S(0),S(2)),(S(0),S(2))" in texts   # data x cp
+    assert "(S(2),S(1)),(R,S(1)),(R,S(1))->(S(2),S(1)),(S(2),S(1))" in texts   # cp x heads
+    assert not any(str(s).startswith("(S(2),S(2))") for s in fwd.meta[META_KEY].strategies)
+
+
+def test_sequence_split_is_priced_at_the_slowest_rank():
+    """compute_time under the contiguous split is the whole op's at the slowest rank's share of the
+    FLOPs and bytes (the cluster's roofline, applied by hand); under the balanced split an even
+    share, plus one all-to-all per query-row tensor moved, each of its local shard."""
+    traced, nodes = _attention_nodes(True, (4,), seq=256)
+    cluster = autoshard.Cluster.local(4)
+    fwd, bwd = nodes[0], next(n for n in nodes if len(n.meta["val"]) == 3)
+    for node in (fwd, bwd):
+        cost = node.meta[autoshard.passes.annotate.META_KEY]
+        split = {s.variant: s for s in node.meta[META_KEY].strategies if sequence_mesh_dim(node, s) == 0}
+        contiguous, balanced = split[""], split["balanced"]
+        assert costmodel.compute_time(cluster, node, contiguous) == pytest.approx(
+            cluster.compute_time(cost.flops * 7 / 16, cost.bytes * 7 / 16, cost.dtype))
+        q = fwd.args[0].meta["val"]
+        q_local = q.numel() * q.element_size() / 4
+        lse_local = q_local / q.shape[-1]        # (batch, heads, seq) in fp32, like q
+        rows = [q_local, q_local, lse_local] if node is fwd else [q_local] * 4 + [lse_local]
+        moves = sum(cluster.collective_time("all_to_all", n, 0) for n in rows)
+        assert costmodel.compute_time(cluster, node, balanced) == pytest.approx(
+            cluster.compute_time(cost.flops / 4, cost.bytes / 4, cost.dtype) + moves)
+
+
+def test_a_sequence_the_mesh_does_not_divide_gets_no_split():
+    _, nodes = _attention_nodes(True, (3,), seq=64)
+    assert all(sequence_mesh_dim(n, s) is None for n in nodes for s in n.meta[META_KEY].strategies)
+
+
+# ---------------------------------------------------------------------------- the solver's choice
+def _long(heads: int = 2, seq: int = 8192):
+    """One long sequence through a model with fewer heads than devices: neither the batch nor the
+    heads split attention 8 ways."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab=512, seq=seq, hidden=128, heads=heads, kv_heads=heads, intermediate=256,
+                                  layers=2))
+    inputs = tuple(torch.empty(1, seq, dtype=torch.long, device="meta") for _ in range(2))
+    return autoshard.trace(model, inputs), autoshard.Cluster.preset("dgx-h100")
+
+
+def _no_sequence_split(node, s) -> bool:
+    return not is_attention(node) or sequence_mesh_dim(node, s) is None
+
+
+def _query(strategy: str, ndim: int):
+    """The placements of an attention strategy's query (its first input; the backward's second)."""
+    inputs = re.findall(r"\((?:[^()]|\([^()]*\))*\)", strategy.split("->")[0])
+    return autoshard.notation.parse_placements(inputs[1 if len(inputs) == 6 else 0], ndim)
+
+
+def _split_attention(plan, mesh_dim: int | None = None) -> bool:
+    """Every attention op of ``plan`` splits its queries' sequence (on ``mesh_dim``, or any)."""
+    dims = range(len(plan.mesh_shape)) if mesh_dim is None else [mesh_dim]
+    return all(any(_query(n.strategy, len(plan.mesh_shape))[d] == Shard(2) for d in dims)
+               for n in plan.nodes if "flash_attention" in n.op)
+
+
+def test_solver_splits_the_sequence_where_nothing_else_fits():
+    traced, cluster = _long()
+    try:
+        autoshard.plan(traced, cluster, memory_limit=1.0, allow=_no_sequence_split)
+    except InfeasibleError as exc:
+        without = exc.min_memory
+    try:
+        autoshard.plan(traced, cluster, memory_limit=1.0)
+    except InfeasibleError as exc:
+        free = exc.min_memory
+    assert free < 0.8 * without     # the sequence split holds a quarter of each score tile
+    limit = (free + without) / 2
+    with pytest.raises(InfeasibleError):
+        autoshard.plan(traced, cluster, memory_limit=limit, allow=_no_sequence_split)
+    plan = autoshard.plan(traced, cluster, memory_limit=limit)
+    assert plan.peak_memory <= limit and _split_attention(plan)
+
+
+def test_solver_splits_the_sequence_where_it_is_faster():
+    traced, cluster = _long()
+    free = autoshard.plan(traced, cluster)
+    without = autoshard.plan(traced, cluster, allow=_no_sequence_split)
+    assert _split_attention(free)
+    assert free.step_time < without.step_time
+    # and it takes the faster of the two causal variants, each pinned alone
+    for variant in ("", "balanced"):
+        pinned = autoshard.plan(traced, cluster, allow=lambda n, s: not is_attention(n) or s.variant == variant)
+        assert free.step_time <= pinned.step_time * (1 + 1e-9), variant
+    # at cp = 8 the contiguous split's last rank computes 15/8 of an even share: balanced wins,
+    # and the plan's tables say so
+    assert {n.strategy.split(" ")[-1] for n in free.nodes if "flash_attention" in n.op} == {"balanced"}
+    assert "(balanced)" in free.summary()
+
+
+def test_fsdp_cp_baseline_follows_its_definition():
+    traced, cluster = _long(heads=4, seq=2048)
+    p = plan_baseline(traced, cluster, "fsdp_cp")
+    names = dict(zip(p.mesh_dim_names, range(len(p.mesh_shape))))
+    cp = names["cp"]
+    assert _split_attention(p, cp)
+    for placements in p.inputs:
+        assert autoshard.notation.parse_placements(placements, len(p.mesh_shape))[cp] == Shard(1)
+    # parameters stored sharded on every dim (FSDP over the cp ranks too), none replicated
+    for name, placements in p.storage.items():
+        assert not any(isinstance(x, Replicate) for x in autoshard.notation.parse_placements(
+            placements, len(p.mesh_shape))) or "norm" in name, (name, placements)
+
+
+def test_attention_that_cannot_split_is_reported():
+    """One sequence of 60 on 8 devices with 2 heads: no split of batch, heads or sequence is even,
+    so attention is whole on every rank, and the plan says why."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab=64, seq=60, hidden=32, heads=2, kv_heads=2, intermediate=64, layers=1))
+    inputs = tuple(torch.empty(1, 60, dtype=torch.long, device="meta") for _ in range(2))
+    with pytest.warns(UserWarning, match=r"sequence \(60\) splits only over a mesh dim whose size divides it"):
+        plan = autoshard.plan(model, autoshard.Cluster.preset("dgx-h100"), inputs)
+    gaps = [g for g in plan.gaps if "flash_attention" in g["op"]]
+    assert gaps and all("pad the sequence" in g["reason"] for g in gaps)
