@@ -117,8 +117,9 @@ def _exempt(a: fx.Node) -> bool:
         not (val.is_floating_point() or val.is_complex())
 
 
-def coverage_gaps(gm: fx.GraphModule) -> list[Gap]:
-    """Every gap of ``gm``'s strategies, in graph order (one per node and input)."""
+def coverage_gaps(gm: fx.GraphModule, mesh_shape: tuple[int, ...] = ()) -> list[Gap]:
+    """Every gap of ``gm``'s strategies, in graph order (one per node and input); ``mesh_shape``
+    (the mesh they were found for) lets a gap name the shapes that would split."""
     gaps: list[Gap] = []
     for node in gm.graph.nodes:
         ns = node.meta.get(STRATEGIES)
@@ -136,7 +137,7 @@ def coverage_gaps(gm: fx.GraphModule) -> list[Gap]:
             if all(_replicated(s.inputs[k]) for s in ns.strategies) and \
                     any(_sharded(p) for p in output_options(a)):
                 producer, _ = value_of(a)
-                hint = f"; {attention.no_sequence_split(node)}" if attention.is_attention(node) else ""
+                hint = f"; {attention.no_sequence_split(node, mesh_shape)}" if attention.is_attention(node) else ""
                 found.append(Gap(node.name, str(node.target), a.name,
                                  f"every strategy replicates input {k} ({a.name}, {tuple(a.meta['val'].shape)}), "
                                  f"which {producer.name} can hand over sharded{hint}", source_line(node)))

@@ -75,7 +75,7 @@ def prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mix
     mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
     with progress.stage("strategies"):
         fallbacks = find_strategies(traced.gm, mesh, strict=strict, memo=traced.strategy_memo)
-        gaps = report_gaps(coverage_gaps(traced.gm), strict=strict)
+        gaps = report_gaps(coverage_gaps(traced.gm, tuple(cluster.mesh_shape)), strict=strict)
     return traced, fallbacks, gaps
 
 

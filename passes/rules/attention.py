@@ -161,14 +161,17 @@ def _concrete(p):
     return Shard(p.dim) if isinstance(p, S) else p
 
 
-def no_sequence_split(node) -> str:
+def no_sequence_split(node, mesh_shape=()) -> str:
     """Why ``node`` (an attention op whose queries every strategy keeps whole) has no sequence
-    split, for the coverage report."""
+    split, and the lengths that would have one, for the coverage report."""
     length = node.args[_LAYOUT[node.target][2]].meta["val"].shape[2]
     if _node_causal(node) and _has_mask(node):
         return "a causal attention that also takes a mask tensor has no sequence split (pass one or the other)"
-    return (f"its queries' sequence ({length}) splits only over a mesh dim whose size divides it: pad the "
-            f"sequence to a multiple of the mesh dim's size")
+    sizes = sorted({m for m in mesh_shape if m > 1})
+    works = ", ".join(f"{-(-length // m) * m} over a mesh dim of {m} ({-(-length // (2 * m)) * 2 * m} balanced "
+                      f"if causal)" for m in sizes)
+    return (f"its queries' sequence ({length}) splits only over a mesh dim whose size divides it; pad the "
+            f"sequence" + (f": the next lengths that split are {works}" if works else ""))
 
 
 def sequence_mesh_dim(node, strategy) -> int | None:
