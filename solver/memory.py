@@ -38,7 +38,8 @@ model here), and :func:`predicted_memory` evaluates the same rows for a plan:
     T_p >= sum_s work[v,s] x[v,s]     (v in p)       the inputs no other term holds (not
                                                      parameters, buffers or the batch; in backward
                                                      not the forward values it reads, which are
-                                                     saved or recomputed)
+                                                     saved or recomputed), each at its local size
+                                                     under s
     O = sum_{v,s} param[v,s] x[v,s]                  the optimizer's temporary (param[v,s]: a
                                                      trained parameter's local bytes at storage
                                                      placement s), below
