@@ -137,7 +137,8 @@ def coverage_gaps(gm: fx.GraphModule, mesh_shape: tuple[int, ...] = ()) -> list[
             if all(_replicated(s.inputs[k]) for s in ns.strategies) and \
                     any(_sharded(p) for p in output_options(a)):
                 producer, _ = value_of(a)
-                hint = f"; {attention.no_sequence_split(node, mesh_shape)}" if attention.is_attention(node) else ""
+                hint = attention.no_sequence_split(node, ns.strategies, k, mesh_shape) if attention.is_attention(node) else ""
+                hint = f"; {hint}" if hint else ""
                 found.append(Gap(node.name, str(node.target), a.name,
                                  f"every strategy replicates input {k} ({a.name}, {tuple(a.meta['val'].shape)}), "
                                  f"which {producer.name} can hand over sharded{hint}", source_line(node)))

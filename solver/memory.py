@@ -166,6 +166,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
 from autoshard.cluster import costmodel
+from autoshard.passes import rules
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free, tensor_bytes
 from autoshard.passes.coarsen import LAYER_KEY
 from autoshard.passes.graph import META_KEY, per_strategy_list, tensor_inputs, value_of
@@ -339,7 +340,7 @@ def _accumulated_gradients(mm: MemoryModel, problem) -> None:
 def _working_sets(mm: MemoryModel, traced, problem, mesh_shape) -> None:
     """work[v,s]: each op's working set under each strategy: its outputs and inputs, each at its
     local size under s (an input s wants whole, such as the keys and values of attention split
-    by sequence, is whole here)."""
+    by sequence, is whole here), and what the op holds beyond them (``rules.HELD``)."""
     stateful = {node for _, node in [*traced.params, *traced.buffers]} | set(traced.inputs)
     cache: dict = {}
     for v in problem.nodes:
@@ -357,10 +358,12 @@ def _working_sets(mm: MemoryModel, traced, problem, mesh_shape) -> None:
             counted = tuple((k, tensor_bytes(a.meta.get("val"))) for a, k in first.items()
                             if not (_base(a) in stateful or backward and _phase(_base(a)) == "fwd"))
             outs = tuple(_outputs_bytes(v))
+            held = rules.HELD.get(v.target)
             mm.work[v] = list(per_strategy_list(cache, strategies, (outs, counted), lambda: [
                 sum(costmodel.local_bytes(b, s.outputs[k] if k < len(s.outputs) else None, mesh_shape)
                     for k, b in enumerate(outs))
                 + sum(costmodel.local_bytes(b, s.inputs[k], mesh_shape) for k, b in counted)
+                + (held(v, s, mesh_shape) if held is not None else 0.0)
                 for s in strategies]))
 
 

@@ -11,6 +11,7 @@ colour in every plan and every file; all-replicated outputs are grey.
 from __future__ import annotations
 
 import hashlib
+import re
 
 from autoshard.notation import split_top
 
@@ -96,8 +97,13 @@ def per_dim(plan, strategy: str) -> list[str]:
         return [strategy] + [""] * (ndim - 1)
     ins, outs = parsed
     cells = [(_runs([p[d] for p in ins]) + " -> " + _runs([p[d] for p in outs])).strip() for d in range(ndim)]
-    variant = strategy[strategy.rfind(")") + 1:].strip()   # how the op runs them ("balanced"): once, last
-    return cells[:-1] + [f"{cells[-1]} ({variant})"] if variant else cells
+    # how the op runs them (a word after the placements: "balanced"), on the mesh dims where it
+    # takes some input whole to make split outputs (a sequence split's gathered keys), else last
+    variant = re.search(r"\s([a-z]+)$", strategy)
+    if variant is None:
+        return cells
+    marked = [d for d in range(ndim) if any(p[d] == "R" for p in ins) and any(p[d].startswith("S(") for p in outs)]
+    return [f"{c} ({variant.group(1)})" if d in (marked or [ndim - 1]) else c for d, c in enumerate(cells)]
 
 
 def _runs(items: list[str]) -> str:

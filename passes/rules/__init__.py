@@ -16,3 +16,6 @@ EXTRA = {**attention.EXTRA}
 # op -> (cluster, node, strategy) -> seconds of the collectives the op runs inside, under that
 # strategy (autoshard/cluster/costmodel.py)
 INLINE_COMM = {**attention.INLINE_COMM}
+# op -> (node, strategy, mesh shape) -> bytes the op holds beyond its inputs and outputs under that
+# strategy, in its working set (solver/memory.py)
+HELD = {**attention.HELD}

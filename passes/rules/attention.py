@@ -34,6 +34,7 @@ import itertools
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch
@@ -161,10 +162,14 @@ def _concrete(p):
     return Shard(p.dim) if isinstance(p, S) else p
 
 
-def no_sequence_split(node, mesh_shape=()) -> str:
-    """Why ``node`` (an attention op whose queries every strategy keeps whole) has no sequence
-    split, and the lengths that would have one, for the coverage report."""
-    length = node.args[_LAYOUT[node.target][2]].meta["val"].shape[2]
+def no_sequence_split(node, strategies, k: int, mesh_shape=()) -> str:
+    """For the coverage report of input ``k``, which every one of ``strategies`` keeps whole: why
+    the attention op has no sequence split, and the lengths that would have one; "" where that
+    is not why (the input is no query, or a sequence split exists)."""
+    q = _LAYOUT[node.target][2]
+    if k != q or any(sequence_mesh_dim(node, s) is not None for s in strategies):
+        return ""
+    length = node.args[q].meta["val"].shape[2]
     if _node_causal(node) and _has_mask(node):
         return "a causal attention that also takes a mask tensor has no sequence split (pass one or the other)"
     sizes = sorted({m for m in mesh_shape if m > 1})
@@ -184,11 +189,12 @@ def sequence_mesh_dim(node, strategy) -> int | None:
     return None
 
 
-def _causal_mask(rows: torch.Tensor, cols: int, like: torch.Tensor) -> torch.Tensor:
-    """The additive mask letting query row ``i`` (at global position ``rows[i]``) see keys
-    ``j <= rows[i]``. On the CPU kernel it is a (local q, k) tensor per op: CPU runs are small;
-    a GPU kernel would take the offsets instead."""
-    visible = torch.arange(cols, device=like.device)[None, :] <= rows[:, None]
+def _causal_mask(offset: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The additive mask letting query row ``i`` (at global position ``offset + i``) see keys
+    ``j <= offset + i``, over the ``offset + rows`` keys up to the last row's own. It is a
+    (rows, keys) tensor in the query's dtype: the CPU kernel takes no offset."""
+    positions = torch.arange(rows, device=like.device) + offset
+    visible = torch.arange(offset + rows, device=like.device)[None, :] <= positions[:, None]
     return torch.zeros(visible.shape, dtype=like.dtype, device=like.device).masked_fill(~visible, float("-inf"))
 
 
@@ -218,35 +224,59 @@ def _move_halves(x: torch.Tensor, dim: int, rank: int, cp: int, group: str, to_b
 
 
 def _local(node, args: tuple, kwargs: dict, strategy, mesh):
-    """Run the op on local shards. Under a causal sequence split, ``is_causal`` becomes a mask of
-    the rank's own query positions; the balanced variant first moves the query-row tensors to
-    their balanced owners and the query-row results back (the key and value gradients are
-    partial sums over every query, in any layout)."""
+    """Run the op on local shards. Under a causal sequence split each block of the rank's query
+    rows (contiguous: its chunk; balanced: its two half-chunks, moved there first) runs against
+    the keys up to its last row's position only, with a mask of the rows' own positions: so the
+    CPU kernel, which skips no masked block, does the causal work the split is priced at. The
+    row results are joined (and moved back); the key and value gradients of the blocks are summed
+    over the whole key length (a partial sum over every rank's queries, in any layout)."""
     d = sequence_mesh_dim(node, strategy)
     if d is None or not _node_causal(node):
         return node.target(*args, **kwargs)
+    backward = node.target is BWD
     _, position, q = _LAYOUT[node.target]
-    query, key = args[q], args[q + 1]
-    rows, cols, rank, cp = query.shape[2], key.shape[2], mesh.get_local_rank(d), mesh.size(d)
+    rows, length, rank, cp = args[q].shape[2], args[q + 1].shape[2], mesh.get_local_rank(d), mesh.size(d)
+    rowwise = (0, 1, 4, 5) if backward else (0,)   # one row per query: grad_out, query, out, lse
     if strategy.variant == BALANCED:
         group = mesh.get_group(d).group_name
         move = lambda t, there: _move_halves(t, 2, rank, cp, group, there)  # noqa: E731
-        rowwise = (0, 1, 4, 5) if node.target is BWD else (0,)   # grad_out, query, out, lse
         args = tuple(move(a, True) if i in rowwise else a for i, a in enumerate(args))
         h = rows // 2
-        positions = torch.cat([torch.arange(h) + rank * h, torch.arange(h) + (2 * cp - 1 - rank) * h])
+        blocks = [(0, h, rank * h), (h, h, (2 * cp - 1 - rank) * h)]   # (first local row, rows, position)
     else:
-        positions = torch.arange(rows) + rank * rows
-    mask = _causal_mask(positions.to(query.device), cols, query)
-    if len(args) > position:
-        args, kwargs = (*args[:position], False, *args[position + 1:]), {**kwargs, "attn_mask": mask}
+        blocks = [(0, rows, rank * rows)]
+    results = []
+    for first, n, offset in blocks:
+        block = list(args)
+        for i in rowwise:
+            block[i] = args[i].narrow(2, first, n)
+        for i in (q + 1, q + 2):   # key, value: up to the block's last position
+            block[i] = args[i].narrow(2, 0, offset + n)
+        options = {**kwargs, "attn_mask": _causal_mask(offset, n, args[q])}
+        if len(block) > position:
+            block[position] = False
+        else:
+            options["is_causal"] = False
+        results.append(node.target(*block, **options))
+    if backward:
+        whole = lambda g: F.pad(g, (0, 0, 0, length - g.shape[2]))  # noqa: E731
+        out = (torch.cat([r[0] for r in results], dim=2),
+               sum(whole(r[1]) for r in results), sum(whole(r[2]) for r in results))
     else:
-        kwargs = {**kwargs, "is_causal": False, "attn_mask": mask}
-    out = node.target(*args, **kwargs)
-    if strategy.variant == BALANCED:   # the query-row results: out, lse; grad_query
-        back = (0, 1) if node.target is FWD else (0,)
-        out = tuple(move(t, False) if i in back else t for i, t in enumerate(out))
-    return out
+        out = tuple(torch.cat([r[i] for r in results], dim=2) for i in range(2))
+    if strategy.variant == BALANCED:   # the row results back: out and lse, or grad_query
+        out = tuple(move(t, False) if i in ((0,) if backward else (0, 1)) else t for i, t in enumerate(out))
+    return tuple(_laid_out_as(t, v) for t, v in zip(out, node.meta["val"]))
+
+
+def _laid_out_as(t: torch.Tensor, val) -> torch.Tensor:
+    """``t`` in the memory order of the traced ``val``: the kernel returns its output transposed
+    (so that the model's transpose and view after it need no copy), and the DTensor wrapping a
+    local result takes the traced strides as the truth."""
+    order = sorted(range(t.ndim), key=lambda i: -val.stride()[i])
+    if [t.stride()[i] for i in order] == sorted(t.stride(), reverse=True):
+        return t
+    return t.permute(order).contiguous().permute([order.index(i) for i in range(t.ndim)])
 
 
 def exchange_time(cluster, node, strategy) -> float:
@@ -266,8 +296,35 @@ def exchange_time(cluster, node, strategy) -> float:
     return sum(cluster.collective_time("all_to_all", v.numel() * v.element_size() / shards, d) for v in moved)
 
 
+def _local_bytes(val, placements, mesh_shape) -> float:
+    shards = math.prod(m for m, p in zip(mesh_shape, placements) if isinstance(p, Shard))
+    return val.numel() * val.element_size() / shards
+
+
+def held_beyond(node, strategy, mesh_shape) -> float:
+    """Bytes the op holds under ``strategy`` beyond its inputs and outputs as the working-set
+    formula counts them (solver/memory.py): in backward, the keys and values a sequence split
+    reads whole (saved split, gathered again: the formula leaves saved values out); under the
+    balanced variant, the moved copies of the query-row tensors and of the row results. (The CPU
+    kernel's mask, local rows x visible keys in the query's dtype, is not counted: a kernel that
+    takes the offsets, as a GPU one would, has none.)"""
+    d = sequence_mesh_dim(node, strategy)
+    if d is None:
+        return 0.0
+    backward = node.target is BWD
+    held = sum(_local_bytes(node.args[i].meta["val"], strategy.inputs[i], mesh_shape) for i in (2, 3)) if backward else 0.0
+    if strategy.variant == BALANCED:
+        q = _LAYOUT[node.target][2]
+        rows = [node.args[i].meta["val"] for i in ((0, 1, 4, 5) if backward else (0,))]
+        rows += [node.meta["val"][0]] if backward else list(node.meta["val"][:2])
+        held += sum(_local_bytes(v, strategy.inputs[q], mesh_shape) for v in rows)
+    return held
+
+
 # ops the rewriter runs on local shards itself: the causal sequence split needs its offsets
 LOCAL = {FWD: _local, BWD: _local}
 EXTRA = {FWD: context_strategies, BWD: context_strategies}
 # ops whose strategies communicate inside the op, priced with its time (autoshard/cluster/costmodel.py)
 INLINE_COMM = {FWD: exchange_time, BWD: exchange_time}
+# ops that hold more than their inputs and outputs under some strategies (solver/memory.py)
+HELD = {FWD: held_beyond, BWD: held_beyond}
