@@ -93,7 +93,11 @@ def test_simulated_ranks_train_like_one_device(setups, name, kind, world):
 
 def test_pieces_on_the_wrong_rank_are_caught(setups, monkeypatch):
     """Each rank handed the next rank's pieces of every parameter (a placement read at the wrong
-    mesh coordinate): the first loss already differs from the single device's."""
+    mesh coordinate): the first loss already differs from the single device's by well over the
+    bound above, and the parameters after the step by far more. (How far the loss moves depends
+    on which dims the plan shards: a tiny GPT at initialization scores nearly uniformly, and
+    with the embeddings split along their features the swap permutes the residual stream
+    consistently; measured 3e-4.)"""
     model, batches, traced, ref = setups("gpt")
     plan = _plan(traced, "fsdp", 2)
     local_tensor = simulate._torch.local_tensor
@@ -103,7 +107,9 @@ def test_pieces_on_the_wrong_rank_are_caught(setups, monkeypatch):
 
     monkeypatch.setattr(simulate._torch, "local_tensor", rotated)
     sim = simulate.run_ranks(model, plan, batches[:1])
-    assert abs(sim.losses[0] - ref.losses[0]) > 100 * LOSS_ATOL, (sim.losses, ref.losses)
+    assert abs(sim.losses[0] - ref.losses[0]) > 10 * LOSS_ATOL, (sim.losses, ref.losses)
+    first = simulate.single_device(model, batches[:1])
+    assert max((sim.params[k] - first.params[k]).abs().max().item() for k in first.params) > 100 * PARAM_ATOL
 
 
 def test_kept_working_copies_follow_foreach_steps(setups, monkeypatch):
