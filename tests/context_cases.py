@@ -22,6 +22,7 @@ from autoshard import Plan
 from autoshard.passes.rewrite import ORIGIN
 from autoshard.passes.rules.attention import BWD, FWD, sequence_mesh_dim
 from autoshard.zoo import Llama, LlamaConfig
+from dist_cases import step_errors
 
 SEQ = 256
 
@@ -80,18 +81,7 @@ def one_case(spec: tuple, plan_json: str, lr: float = 0.1) -> dict:
     ref = copy.deepcopy(model)
     cluster = autoshard.Cluster.local(dist.get_world_size(), mesh_shape)
     dm = autoshard.compile(model, cluster, inputs, plan=Plan.from_json(plan_json))
-    opt = torch.optim.SGD(dm.parameters(), lr=lr)
-    loss = dm(*dm.shard_inputs(*inputs))
-    loss.backward()
-    ref_loss = ref(*inputs)
-    ref_loss.backward()
-    err = {"loss": (loss.detach() - ref_loss.detach()).abs().item(), "grad": 0.0, "param": 0.0}
-    for name, p in dm.named_parameters():
-        err["grad"] = max(err["grad"], (p.grad.full_tensor() - ref.get_parameter(name).grad).abs().max().item())
-    opt.step()
-    torch.optim.SGD(ref.parameters(), lr=lr).step()
-    for name, p in dm.named_parameters():
-        err["param"] = max(err["param"], (p.full_tensor() - ref.get_parameter(name)).abs().max().item())
+    err = step_errors(dm, ref, inputs, lr)
     err["attention"] = sorted({n.strategy for n in dm.plan.nodes if "flash_attention" in n.op})
     # all-to-alls that an attention op runs itself (not a resharding between ops)
     attention = {n.name for n in dm.plan.nodes if "flash_attention" in n.op}

@@ -70,14 +70,10 @@ def _working(model, inputs, placements):
     return lambda node, s: node.op != "placeholder" or node.name not in names or tuple(s.outputs[0]) == want
 
 
-def one_case(kind: str, mesh_shape, constraints, lr: float = 0.1) -> dict:
-    model, inputs = _model(kind)
-    ref = copy.deepcopy(model)
-    cluster = autoshard.Cluster.local(dist.get_world_size(), mesh_shape)
-    constraints = dict(constraints) if constraints else None
-    working = constraints.pop("working", None) if constraints else None
-    allow = _working(model, inputs, working) if working else None
-    dm = autoshard.compile(model, cluster, inputs, constraints=constraints, allow=allow)
+def step_errors(dm, ref, inputs, lr: float) -> dict:
+    """One forward, backward and SGD step of the compiled ``dm`` and of the single-device
+    ``ref`` (a copy of the same model) on ``inputs``: the largest deviation of the loss, of any
+    gradient and of any parameter after the step."""
     opt = torch.optim.SGD(dm.parameters(), lr=lr)
     loss = dm(*dm.shard_inputs(*inputs))
     loss.backward()
@@ -90,6 +86,18 @@ def one_case(kind: str, mesh_shape, constraints, lr: float = 0.1) -> dict:
     torch.optim.SGD(ref.parameters(), lr=lr).step()
     for name, p in dm.named_parameters():
         err["param"] = max(err["param"], (p.full_tensor() - ref.get_parameter(name)).abs().max().item())
+    return err
+
+
+def one_case(kind: str, mesh_shape, constraints, lr: float = 0.1) -> dict:
+    model, inputs = _model(kind)
+    ref = copy.deepcopy(model)
+    cluster = autoshard.Cluster.local(dist.get_world_size(), mesh_shape)
+    constraints = dict(constraints) if constraints else None
+    working = constraints.pop("working", None) if constraints else None
+    allow = _working(model, inputs, working) if working else None
+    dm = autoshard.compile(model, cluster, inputs, constraints=constraints, allow=allow)
+    err = step_errors(dm, ref, inputs, lr)
     err["storage"] = dict(dm.plan.storage)
     err["gathered_once"] = len(dm._working)  # parameters computed with a kept working copy
     err["inputs"] = list(dm.plan.inputs)
