@@ -9,7 +9,8 @@ Cases: the Llama-3-8B shape (32 layers) on one 8 x H100 node at 32k to 256k toke
 per step (a rank cannot hold less by splitting the batch); an 8-layer Llama-3-8B shape on 8 x 8
 H100 at 512k and 1M tokens, one sequence per step too. ``tok/s/GPU`` is the step's
 tokens over its predicted time and the GPUs. ``cp`` is the number of ranks one attention's
-queries are split over by sequence (1: none; "bal": the balanced causal split). ``grids`` gives
+queries are split over by sequence (1: none), with the split's variant ("bal": the balanced causal
+split; "ring": keys and values passed around a ring, not gathered). ``grids`` gives
 each grid a row tried (a baseline's, or the free plan's logical meshes) and its step. ``plan_s`` is the planning time of that row
 (trace excluded, shared by all rows of a case).
 """
@@ -64,7 +65,8 @@ def _row(name: str, make, tokens: int, world: int) -> dict:
     return {"plan": name, "fits": True, "step_s": p.step_time, "tok_s_gpu": tokens / p.step_time / world,
             "peak_gb": p.peak_memory / 1e9, "cp": _cp_degree(p), "mesh": list(p.mesh_shape),
             "plan_s": time.perf_counter() - t0, "status": p.solver["status"],
-            "balanced": any(n.strategy.endswith(" balanced") for n in p.nodes),
+            "variant": " ".join(sorted({n.strategy[n.strategy.rindex(")") + 1:].strip() for n in p.nodes
+                                        if "flash_attention" in n.op})),
             "grids": p.stats.get("meshes")}
 
 
@@ -111,7 +113,7 @@ def main() -> None:
         t.add_column(col, justify="left" if col in ("cluster", "plan") else "right")
     for r in rows:
         if r["fits"]:
-            cp = f"{r['cp']}{' bal' if r['balanced'] else ''}"
+            cp = f"{r['cp']} {r['variant'].replace('balanced', 'bal')}".strip()
             grids = " ".join(f"{k}:{'-' if v is None else f'{v:.2f}'}" for k, v in (r["grids"] or {}).items())
             t.add_row(r["case"], f"{r['seq'] // 1024}k", r["plan"], f"{r['step_s']:.2f}", f"{r['tok_s_gpu']:.0f}",
                       f"{r['peak_gb']:.1f}", cp, "x".join(map(str, r["mesh"])), f"{r['plan_s']:.1f}", grids)

@@ -46,9 +46,9 @@ def _model(kind: str, causal: bool):
 
 
 def _sequence_split(model, inputs, cp_dim: int, data_dim: int | None, variant: str, heads_dim: int | None):
-    """An ``allow``: attention split by sequence on ``cp_dim`` (a causal one as ``variant``:
-    contiguous "" or "balanced"; by heads on ``heads_dim``), the inputs too (and by batch on
-    ``data_dim``); everything else the solver's."""
+    """An ``allow``: attention split by sequence on ``cp_dim`` as ``variant`` ("": keys and values
+    gathered, contiguous; "balanced"; "ring"; "balanced ring"), by heads on ``heads_dim``, the
+    inputs too (and by batch on ``data_dim``); everything else the solver's."""
     batch = {n.name for n in autoshard.trace(model, inputs).inputs}
 
     def allow(node, s) -> bool:

@@ -18,7 +18,7 @@ import context_cases as cc
 from autoshard.cluster import costmodel
 from autoshard.errors import InfeasibleError
 from autoshard.passes.graph import META_KEY
-from autoshard.passes.rules.attention import is_attention, sequence_mesh_dim
+from autoshard.passes.rules.attention import held_beyond, is_attention, sequence_mesh_dim
 from autoshard.passes.strategies import find_strategies
 from autoshard.planning.baselines import plan_baseline
 from autoshard.runtime.launch import run_local
@@ -31,16 +31,24 @@ SEQ_SPLIT = {"causal": "(S(2)),(R),(R)->(S(2)),(S(2))",
 CASES_2 = {  # name: (causal, mesh shape, cp mesh dim, data mesh dim, causal variant, model, backend, heads mesh dim)
     "llama-causal": (True, (2,), 0, None),
     "llama-bidirectional": (False, (2,), 0, None),
-    "transformers-llama-causal-balanced": (True, (2,), 0, None, "balanced", "hf_llama3"),
     "transformers-bert-bidirectional": (False, (2,), 0, None, "", "bert"),
     "llama-causal-balanced-inductor": (True, (2,), 0, None, "balanced", "llama", "inductor"),
+    "llama-bidirectional-ring": (False, (2,), 0, None, "ring"),
+    "transformers-llama-causal-balanced-ring": (True, (2,), 0, None, "balanced ring", "hf_llama3"),
 }
 CASES_4 = {
     "llama-causal-balanced-cp4": (True, (4,), 0, None, "balanced"),
     "llama-causal-balanced-data_x_cp": (True, (2, 2), 1, 0, "balanced"),
     "llama-bidirectional-data_x_cp": (False, (2, 2), 1, 0),
     "llama-causal-balanced-heads_x_cp": (True, (2, 2), 1, None, "balanced", "llama", "eager", 0),
+    "llama-causal-balanced-ring-cp4": (True, (4,), 0, None, "balanced ring"),
 }
+# all-to-alls the attention ops run themselves, per layer, at least (more where the partitioner
+# runs a forward again): balanced, forward the query in and out and lse back, backward 4 in and
+# grad_query back; ring, forward cp - 1 key passes, backward cp - 1 key passes and cp gradient
+# passes; balanced ring, its 3 + 2 and 6 + 3 moves with those passes
+ALL_TO_ALLS = {"": lambda cp: 0, "balanced": lambda cp: 3 + 5, "ring": lambda cp: (cp - 1) + (2 * cp - 1),
+               "balanced ring": lambda cp: 3 + 2 + 6 + 3 + (cp - 1) + (2 * cp - 1)}
 
 
 def _planned(cases: dict) -> dict:
@@ -59,23 +67,24 @@ def results_4():
 
 def _check(results, name, spec):
     causal, mesh_shape, cp_dim, data_dim = spec[:4]
-    balanced = spec[4:5] == ("balanced",)
+    variant = spec[4] if len(spec) > 4 else ""
     for rank, res in enumerate(results):
         err = res[name]
         assert err["loss"] <= TOL and err["grad"] <= TOL and err["param"] <= TOL, (rank, err)
     err = results[0][name]
-    # every attention op ran split by sequence on the cp dim (and by heads where asked), and so
-    # did the batch
+    # every attention op ran split by sequence on the cp dim (and by heads where asked), as the
+    # case's variant (a ring's keys and values split too), and so did the batch
     heads_dim = spec[7] if len(spec) > 7 else None
     assert err["attention"]
     for strategy in err["attention"]:
         assert _query(strategy, len(mesh_shape))[cp_dim] == Shard(2), strategy
         assert heads_dim is None or _query(strategy, len(mesh_shape))[heads_dim] == Shard(1), strategy
-        assert strategy.endswith(" balanced") == balanced, strategy
-    # the balanced split's exchanges are in the program, run by the attention ops themselves:
-    # 2 layers x (forward: the query in, out and lse back; backward: 4 in, grad_query back), and
-    # more where a recomputed forward runs again; none under any other split
-    assert err["all_to_all"] >= 2 * (3 + 5) if balanced else err["all_to_all"] == 0, err["all_to_all"]
+        assert strategy[strategy.rindex(")") + 1:].strip() == variant, strategy
+        if "ring" in variant:
+            assert all(p[cp_dim] == Shard(2) for p in _placements(strategy, len(mesh_shape))), strategy
+    # the in-op exchanges are in the program, run by the attention ops themselves (2 layers)
+    least = 2 * ALL_TO_ALLS[variant](mesh_shape[cp_dim])
+    assert err["all_to_all"] >= least if least else err["all_to_all"] == 0, err["all_to_all"]
     if spec[6:7] == ("inductor",):
         assert err["compiled_calls"] > 0
     for placements in err["inputs"]:
@@ -107,9 +116,13 @@ def test_sequence_split_is_offered_with_the_slowest_ranks_share(causal):
     _, nodes = _attention_nodes(causal, (4,))
     for node in nodes:
         split = [s for s in node.meta[META_KEY].strategies if sequence_mesh_dim(node, s) == 0]
-        assert [s.variant for s in split] == (["", "balanced"] if causal else [""]), [str(s) for s in split]
+        assert [s.variant for s in split] == (["", "balanced", "balanced ring"] if causal else ["", "ring"]), \
+            [str(s) for s in split]
         for s in split:
             backward = len(s.outputs) == 3
+            if "ring" in s.variant:   # keys, values and their gradients split like the queries
+                assert all(p == (Shard(2),) for p in (*s.inputs, *s.outputs)), str(s)
+                continue
             assert str(s).split(" ")[0] == SEQ_SPLIT["backward" if backward else "causal"]
             if backward:   # key and value gradients are sums over every rank's queries
                 assert s.outputs[1:] == ((Partial(),), (Partial(),))
@@ -152,6 +165,52 @@ def test_sequence_split_is_priced_at_the_slowest_rank():
             cluster.compute_time(cost.flops / 4, cost.bytes / 4, cost.dtype) + moves)
 
 
+@pytest.mark.parametrize("seq", [256, 16384])
+def test_ring_exposes_what_its_passes_outlast(seq):
+    """Under the ring, each of cp steps hides its pass behind a block's compute (the op's time /
+    cp): exposed is, per step, a pass (link latency + bytes / bandwidth, by hand from the link)
+    less a block, where positive; forward cp - 1 key and value passes, backward cp - 1 passes of
+    keys, values and their float32 gradient sums, then the last sums alone. A short sequence
+    exposes its passes (the latency outlasts a block), a long one hides them."""
+    _, nodes = _attention_nodes(False, (8,), seq=seq, heads=8, batch=1)
+    cluster = autoshard.Cluster.preset("dgx-h100").with_mesh((8,))
+    link = cluster.links[0]
+    cp = 8
+    fwd, bwd = nodes[0], next(n for n in nodes if len(n.meta["val"]) == 3)
+    k = fwd.args[1].meta["val"]
+    kv = 2 * k.numel() * k.element_size() / cp          # keys and values, one block each
+    grads = 2 * k.numel() * 4 / cp
+    one_pass = lambda n: link.latency + n / link.effective_bandwidth  # noqa: E731
+    exposed = []
+    for node in (fwd, bwd):
+        cost = node.meta[autoshard.passes.annotate.META_KEY]
+        ring = next(s for s in node.meta[META_KEY].strategies if s.variant == "ring")
+        block = cluster.compute_time(cost.flops / cp, cost.bytes / cp, cost.dtype)
+        if node is fwd:
+            want = (cp - 1) * max(0.0, one_pass(kv) - block / cp)
+        else:
+            want = (cp - 1) * max(0.0, one_pass(kv) + one_pass(grads) - block / cp) + one_pass(grads)
+        assert costmodel.compute_time(cluster, node, ring) == pytest.approx(block + want, rel=1e-9)
+        exposed.append(want - (0 if node is fwd else one_pass(grads)))
+    assert (exposed[0] > 0 and exposed[1] > 0) if seq == 256 else exposed == [0.0, 0.0]
+
+
+def test_ring_holds_two_key_blocks_not_the_gathered_keys():
+    """The working set of backward attention split by sequence: gathered, the whole keys and
+    values (twice: the gather's copy and the one read again); ring, a key and value block in
+    flight and float32 gradient sums, so less at any cp."""
+    _, nodes = _attention_nodes(False, (8,), seq=4096, heads=8, batch=1)
+    bwd = next(n for n in nodes if len(n.meta["val"]) == 3)
+    split = {s.variant: s for s in bwd.meta[META_KEY].strategies if sequence_mesh_dim(bwd, s) == 0}
+    k = bwd.args[2].meta["val"]
+    whole_kv = 2 * k.numel() * k.element_size()
+    q = bwd.args[1].meta["val"]
+    assert held_beyond(bwd, split[""], (8,)) == whole_kv
+    # a block in flight, the held and the travelling gradient sums, the query's gradient sum
+    assert held_beyond(bwd, split["ring"], (8,)) == pytest.approx(
+        whole_kv / 8 + 2 * whole_kv / 8 * 4 / k.element_size() + q.numel() * 4 / 8)
+
+
 def test_a_sequence_the_mesh_does_not_divide_gets_no_split():
     _, nodes = _attention_nodes(True, (3,), seq=64)
     assert all(sequence_mesh_dim(n, s) is None for n in nodes for s in n.meta[META_KEY].strategies)
@@ -172,10 +231,16 @@ def _no_sequence_split(node, s) -> bool:
     return not is_attention(node) or sequence_mesh_dim(node, s) is None
 
 
+def _placements(strategy: str, ndim: int) -> list:
+    """The placements of every input, then every output, of a strategy's text."""
+    body = strategy[:strategy.rindex(")") + 1]
+    return [autoshard.notation.parse_placements(p, ndim) for p in re.findall(r"\((?:[^()]|\([^()]*\))*\)", body)]
+
+
 def _query(strategy: str, ndim: int):
     """The placements of an attention strategy's query (its first input; the backward's second)."""
-    inputs = re.findall(r"\((?:[^()]|\([^()]*\))*\)", strategy.split("->")[0])
-    return autoshard.notation.parse_placements(inputs[1 if len(inputs) == 6 else 0], ndim)
+    inputs = _placements(strategy.split("->")[0], ndim)
+    return inputs[1 if len(inputs) == 6 else 0]
 
 
 def _split_attention(plan, mesh_dim: int | None = None) -> bool:
@@ -209,14 +274,18 @@ def test_solver_splits_the_sequence_where_it_is_faster():
     without = autoshard.plan(traced, cluster, allow=_no_sequence_split)
     assert _split_attention(free)
     assert free.step_time < without.step_time
-    # and it takes the faster of the two causal variants, each pinned alone
-    for variant in ("", "balanced"):
+    # and it takes the fastest of the causal variants, each pinned alone
+    times = {}
+    for variant in ("", "balanced", "balanced ring"):
         pinned = autoshard.plan(traced, cluster, allow=lambda n, s: not is_attention(n) or s.variant == variant)
+        times[variant] = pinned.step_time
         assert free.step_time <= pinned.step_time * (1 + 1e-9), variant
-    # at cp = 8 the contiguous split's last rank computes 15/8 of an even share: balanced wins,
-    # and the plan's tables say so
-    assert {n.strategy.split(" ")[-1] for n in free.nodes if "flash_attention" in n.op} == {"balanced"}
-    assert "(balanced)" in free.summary()
+    # at cp = 8 the contiguous split's last rank computes 15/8 of an even share: a balanced one
+    # wins, and the plan's tables say which
+    assert times[""] > min(times["balanced"], times["balanced ring"])
+    variants = {n.strategy[n.strategy.rindex(")") + 1:].strip() for n in free.nodes if "flash_attention" in n.op}
+    assert len(variants) == 1 and variants <= {"balanced", "balanced ring"}, variants
+    assert f"({variants.pop()})" in free.summary()
 
 
 def test_fsdp_cp_baseline_follows_its_definition():

@@ -5,8 +5,8 @@ runs on its local shard, split over the ranks of every mesh dim where any of its
 replicated (a replicated mesh dim repeats the whole op on each rank). Where the split is uneven
 in work (causal attention split by sequence), ``shards`` is divided by the strategy's
 ``imbalance``: the slowest rank sets the time. An op that communicates inside itself under a
-strategy (``rules.INLINE_COMM``: the balanced causal split's all-to-alls) adds those collectives'
-time, in line with it. For the inductor backend
+strategy (``rules.INLINE_COMM``: the balanced causal split's all-to-alls, a ring's key passes)
+adds what of those collectives' time its compute does not hide. For the inductor backend
 the bytes are the op's fused ones and an op inlined into its reader's kernel has no launch
 (passes/annotate.py).
 
@@ -123,12 +123,13 @@ def compute_time(cluster, node, strategy, backend: str = "eager") -> float:
     cost = node.meta.get(COST_KEY)
     if cost is None or (cost.flops == 0 and cost.bytes == 0):
         return 0.0
-    inline = rules.INLINE_COMM.get(node.target)
-    comm = inline(cluster, node, strategy) if inline is not None else 0.0
     if backend == "inductor" and cost.fused_bytes is not None:
-        return comm + cluster.compute_time(cost.flops / strategy.work_shards, cost.fused_bytes / strategy.work_shards,
-                                           cost.dtype, launch=not cost.inlined)
-    return comm + cluster.compute_time(cost.flops / strategy.work_shards, cost.bytes / strategy.work_shards, cost.dtype)
+        time = cluster.compute_time(cost.flops / strategy.work_shards, cost.fused_bytes / strategy.work_shards,
+                                    cost.dtype, launch=not cost.inlined)
+    else:
+        time = cluster.compute_time(cost.flops / strategy.work_shards, cost.bytes / strategy.work_shards, cost.dtype)
+    inline = rules.INLINE_COMM.get(node.target)
+    return time + (inline(cluster, node, strategy, time) if inline is not None else 0.0)
 
 
 # AdamW reads p, g, m, v and writes p, m, v: 7 shard-sized passes through memory, what a fused

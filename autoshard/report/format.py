@@ -97,13 +97,14 @@ def per_dim(plan, strategy: str) -> list[str]:
         return [strategy] + [""] * (ndim - 1)
     ins, outs = parsed
     cells = [(_runs([p[d] for p in ins]) + " -> " + _runs([p[d] for p in outs])).strip() for d in range(ndim)]
-    # how the op runs them (a word after the placements: "balanced"), on the mesh dims where it
-    # takes some input whole to make split outputs (a sequence split's gathered keys), else last
-    variant = re.search(r"\s([a-z]+)$", strategy)
+    # how the op runs them (words after the placements: "balanced ring"), on the mesh dims that
+    # split the rows' sequence (dim 2 of attention's row tensors: only attention has variants),
+    # else the last
+    variant = re.search(r"\)((?: [a-z]+)+)$", strategy)
     if variant is None:
         return cells
-    marked = [d for d in range(ndim) if any(p[d] == "R" for p in ins) and any(p[d].startswith("S(") for p in outs)]
-    return [f"{c} ({variant.group(1)})" if d in (marked or [ndim - 1]) else c for d, c in enumerate(cells)]
+    marked = [d for d in range(ndim) if ins and ins[0][d] == "S(2)"]
+    return [f"{c} ({variant.group(1).strip()})" if d in (marked or [ndim - 1]) else c for d, c in enumerate(cells)]
 
 
 def _runs(items: list[str]) -> str:

@@ -13,8 +13,8 @@ LOCAL = {**conv.LOCAL, **attention.LOCAL}
 # op -> (node, mesh shape) -> [(outputs, inputs, imbalance, variant)]: strategies autoshard adds
 # that no DTensor rule may hold, because only the rewriter runs them right (passes/strategies.py)
 EXTRA = {**attention.EXTRA}
-# op -> (cluster, node, strategy) -> seconds of the collectives the op runs inside, under that
-# strategy (autoshard/cluster/costmodel.py)
+# op -> (cluster, node, strategy, its compute seconds) -> seconds that the collectives the op runs
+# inside, under that strategy, add to its compute (autoshard/cluster/costmodel.py)
 INLINE_COMM = {**attention.INLINE_COMM}
 # op -> (node, strategy, mesh shape) -> bytes the op holds beyond its inputs and outputs under that
 # strategy, in its working set (solver/memory.py)

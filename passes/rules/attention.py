@@ -26,6 +26,18 @@ for the ILP to choose:
   every rank), and the row results move back; outside the op everything stays contiguous, so
   positions and the model's own masks need nothing. The all-to-alls are priced with the op
   (:func:`exchange_time`).
+
+Each of these gathers the keys and values before the op, a resharding the solver prices in full
+(only parameter moves hide behind compute). The ring variants (``variant`` "ring", and "balanced
+ring" for a causal op) take keys and values split like the queries instead: each rank attends
+its rows to its own key block, then to the block its left neighbour passes it, ``cp`` steps in
+all, each pass overlapping the current block's compute; the block outputs merge by their
+log-sum-exps. Backward passes the key and value blocks again, with their gradients' running sums
+(float32), which end at their owners. A rank holds two key blocks at a time, not the whole keys,
+and only the part of the passes that outlasts a block's compute is exposed. A causal op runs the
+ring balanced ("balanced ring"): queries, keys and values move to the balanced layout first, as
+above, so every step gives every rank the same work; its blocks of half-chunks are full (keys
+before the rows), diagonal (the kernel's own causal mask) or skipped, so no mask tensor is built.
 """
 
 from __future__ import annotations
@@ -92,6 +104,7 @@ def _causal(args_schema, kwargs_schema, position: int) -> bool:
 # placements of a sequence split, on one mesh dim, in rule order
 _SEQ_FWD = [S(2), S(2), S(2), R, R]                    # out, lse <- q, k, v
 _SEQ_BWD = [S(2), P, P, S(2), S(2), R, R, S(2), S(2)]  # gq, gk, gv <- go, q, k, v, out, lse
+_RING_FWD, _RING_BWD = [S(2)] * 5, [S(2)] * 9           # the ring: keys and values split too
 
 
 @_torch.register_single_dim_strategy(FWD)
@@ -130,31 +143,47 @@ def _has_mask(node) -> bool:
 
 
 BALANCED = "balanced"   # the strategy variant that balances a causal split (see the module doc)
+RING = "ring"           # the variant that passes keys and values around the ring (see the module doc)
+
+
+def _is(strategy, word: str) -> bool:
+    return word in strategy.variant.split()
 
 
 def context_strategies(node, mesh_shape) -> list[tuple[tuple, tuple, float, str]]:
-    """Causal attention split by sequence on one mesh dim (batch, heads or nothing on the others),
-    for the strategy pass: (outputs, inputs, imbalance, variant) per strategy, each split both as
-    contiguous chunks (the last rank's excess work) and balanced (two half-chunks per rank, moved
-    there and back inside the op), where the sequence has 2 cp equal half-chunks. The non-causal
-    split is the registered rule above; a causal op with a mask tensor is left to it (batch and
-    heads)."""
-    if not _node_causal(node) or _has_mask(node):
+    """Attention split by sequence on one mesh dim (batch, heads or nothing on the others) that
+    only the rewriter runs right, for the strategy pass: (outputs, inputs, imbalance, variant) per
+    strategy. A causal op, with keys and values gathered: contiguous chunks (the last rank's
+    excess work) and balanced (two half-chunks per rank, moved there and back inside the op),
+    where the sequence has 2 cp equal half-chunks. Any self-attention (as many keys as queries)
+    whose sequence the mesh dim divides, with keys and values split too: the ring (balanced
+    where causal, so it needs the half-chunks). The non-causal gathered split is the
+    registered rule above; an op with a mask tensor is left to the rules (a causal one splits
+    only by batch and heads)."""
+    if _has_mask(node):
         return []
+    causal = _node_causal(node)
     n_out, _, q = _LAYOUT[node.target]
-    length = node.args[q].meta["val"].shape[2]
-    seq = _SEQ_FWD if node.target is FWD else _SEQ_BWD
-    width = len(seq)
-    other = [[R] * width, [S(0)] * width, [S(1)] * width]
+    length, keys = node.args[q].meta["val"].shape[2], node.args[q + 1].meta["val"].shape[2]
+    gathered, ring = (_SEQ_FWD, _RING_FWD) if node.target is FWD else (_SEQ_BWD, _RING_BWD)
     found = []
     for cp_dim, cp in enumerate(mesh_shape):
-        per_dim = [[seq] if d == cp_dim else other for d in range(len(mesh_shape))]
-        for rules in itertools.product(*per_dim):
-            columns = [tuple(_concrete(rule[i]) for rule in rules) for i in range(width)]
-            outs, ins = tuple(columns[:n_out]), tuple(columns[n_out:])
-            found.append((outs, ins, (2 * cp - 1) / cp, ""))
-            if length % (2 * cp) == 0:
-                found.append((outs, ins, 1.0, BALANCED))
+        balances = length % (2 * cp) == 0
+        variants = []
+        if causal:
+            variants += [(gathered, (2 * cp - 1) / cp, "")] + [(gathered, 1.0, BALANCED)] * balances
+        # a causal ring runs balanced only: in contiguous chunks a rank would receive key blocks
+        # past its rows and use none of them, and the traced program, whose dead code is dropped
+        # per rank, would then lose that rank's share of a collective every rank must join
+        if keys == length and cp > 1 and (balances if causal else length % cp == 0):
+            variants.append((ring, 1.0, f"{BALANCED} {RING}" if causal else RING))
+        # the other dims' splits outermost: the order the solver's ties were broken in before the ring
+        other = [[R] * 9, [S(0)] * 9, [S(1)] * 9]
+        for choice in itertools.product(*[[None] if d == cp_dim else other for d in range(len(mesh_shape))]):
+            for seq, imbalance, variant in variants:
+                rules = [seq if c is None else c[:len(seq)] for c in choice]
+                columns = [tuple(_concrete(rule[i]) for rule in rules) for i in range(len(seq))]
+                found.append((tuple(columns[:n_out]), tuple(columns[n_out:]), imbalance, variant))
     return found
 
 
@@ -231,13 +260,15 @@ def _local(node, args: tuple, kwargs: dict, strategy, mesh):
     row results are joined (and moved back); the key and value gradients of the blocks are summed
     over the whole key length (a partial sum over every rank's queries, in any layout)."""
     d = sequence_mesh_dim(node, strategy)
+    if d is not None and _is(strategy, RING):
+        return _ring(node, args, kwargs, strategy, mesh, d)
     if d is None or not _node_causal(node):
         return node.target(*args, **kwargs)
     backward = node.target is BWD
     _, position, q = _LAYOUT[node.target]
     rows, length, rank, cp = args[q].shape[2], args[q + 1].shape[2], mesh.get_local_rank(d), mesh.size(d)
-    rowwise = (0, 1, 4, 5) if backward else (0,)   # one row per query: grad_out, query, out, lse
-    if strategy.variant == BALANCED:
+    rowwise, back = _moved(node, strategy)   # one row per query: grad_out, query, out, lse
+    if _is(strategy, BALANCED):
         group = mesh.get_group(d).group_name
         move = lambda t, there: _move_halves(t, 2, rank, cp, group, there)  # noqa: E731
         args = tuple(move(a, True) if i in rowwise else a for i, a in enumerate(args))
@@ -264,9 +295,118 @@ def _local(node, args: tuple, kwargs: dict, strategy, mesh):
                sum(whole(r[1]) for r in results), sum(whole(r[2]) for r in results))
     else:
         out = tuple(torch.cat([r[i] for r in results], dim=2) for i in range(2))
-    if strategy.variant == BALANCED:   # the row results back: out and lse, or grad_query
-        out = tuple(move(t, False) if i in ((0,) if backward else (0, 1)) else t for i, t in enumerate(out))
+    if _is(strategy, BALANCED):   # the row results back: out and lse, or grad_query
+        out = tuple(move(t, False) if i in back else t for i, t in enumerate(out))
     return tuple(_laid_out_as(t, v) for t, v in zip(out, node.meta["val"]))
+
+
+def _moved(node, strategy) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The inputs and outputs a balanced strategy moves between the layouts (their positions):
+    the query-row tensors (grad_out, query, out, lse) and row results, and under the ring the
+    keys and values and their gradients too."""
+    if node.target is FWD:
+        return ((0, 1, 2) if _is(strategy, RING) else (0,)), (0, 1)
+    return ((0, 1, 2, 3, 4, 5), (0, 1, 2)) if _is(strategy, RING) else ((0, 1, 4, 5), (0,))
+
+
+def _segments(rank: int, rows: int, cp: int, balanced: bool) -> list[tuple[int, int, int]]:
+    """(chunk, first local row, rows) of rank ``rank``'s rows: its chunk of ``cp``, or its two
+    half-chunks r and 2 cp - 1 - r of 2 cp."""
+    if not balanced:
+        return [(rank, 0, rows)]
+    h = rows // 2
+    return [(rank, 0, h), (2 * cp - 1 - rank, h, h)]
+
+
+def _pass_on(tensors: list[torch.Tensor], rank: int, cp: int, group: str) -> torch.Tensor:
+    """Start sending ``tensors`` (flattened, one message) to the next rank of the ring while
+    receiving the previous rank's; :func:`_unpack` once :func:`_torch.wait` returns it."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    sizes = lambda peer: [flat.numel() if j == peer else 0 for j in range(cp)]  # noqa: E731
+    return _torch.all_to_all_async(flat, sizes((rank - 1) % cp), sizes((rank + 1) % cp), group)
+
+
+def _unpack(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+def _ring(node, args: tuple, kwargs: dict, strategy, mesh, d: int):
+    """The ring variants (module doc) on this rank's rows. Step s attends the rows to the key
+    block of rank r - s, received during step s - 1; in backward that block's gradient sums (in
+    float32) follow one step behind it and end, after the last step, at the block's owner."""
+    backward = node.target is BWD
+    _, position, q = _LAYOUT[node.target]
+    rank, cp, group = mesh.get_local_rank(d), mesh.size(d), mesh.get_group(d).group_name
+    causal, balanced = _node_causal(node), _is(strategy, BALANCED)
+    ins, back = _moved(node, strategy)
+    if balanced:
+        args = tuple(_move_halves(a, 2, rank, cp, group, True) if i in ins else a for i, a in enumerate(args))
+    rows = args[q].shape[2]
+    mine = _segments(rank, rows, cp, balanced)
+    options = {**kwargs, "attn_mask": None}
+
+    def blocks(owner):
+        """(query rows, key rows, diagonal) of each pair the causal mask leaves any work in."""
+        for qc, qs, n in mine:
+            for kc, ks, m in _segments(owner, rows, cp, balanced):
+                if not causal or kc <= qc:
+                    yield slice(qs, qs + n), slice(ks, ks + m), causal and kc == qc
+
+    def run(block_args, diagonal):
+        block_args = list(block_args)
+        if len(block_args) > position:
+            block_args[position] = diagonal
+            return node.target(*block_args, **options)
+        return node.target(*block_args, **{**options, "is_causal": diagonal})
+
+    rowslice = lambda t, sl: t[:, :, sl]  # noqa: E731
+    kv = [args[q + 1], args[q + 2]]
+    if not backward:
+        acc: dict[int, tuple] = {}   # first row -> (out, lse) of the blocks so far, in float32
+        for step in range(cp):
+            sending = _pass_on(kv, rank, cp, group) if step < cp - 1 else None
+            for qs, ks, diagonal in blocks((rank - step) % cp):
+                o, lse = run((rowslice(args[0], qs), rowslice(kv[0], ks), rowslice(kv[1], ks), *args[3:]), diagonal)[:2]
+                acc[qs.start] = _merge(acc.get(qs.start), o.float(), lse.float())
+            if sending is not None:
+                kv = _unpack(_torch.wait(sending), kv)
+        parts = [acc[first] for first in sorted(acc)]
+        out = (torch.cat([o for o, _ in parts], dim=2).to(args[0].dtype),
+               torch.cat([lse for _, lse in parts], dim=2).to(node.meta["val"][1].dtype))
+    else:
+        go, query, _, _, o, lse = args[:6]
+        grad_q = torch.zeros_like(query, dtype=torch.float32)
+        travelling = None   # the gradient sums of the key block now held, from the previous rank
+        for step in range(cp):
+            sending = _pass_on(kv, rank, cp, group) if step < cp - 1 else None
+            grad_kv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+            for qs, ks, diagonal in blocks((rank - step) % cp):
+                g = run((rowslice(go, qs), rowslice(query, qs), rowslice(kv[0], ks), rowslice(kv[1], ks),
+                         rowslice(o, qs), rowslice(lse, qs), *args[6:]), diagonal)
+                grad_q[:, :, qs] += g[0]
+                grad_kv[0][:, :, ks] += g[1]
+                grad_kv[1][:, :, ks] += g[2]
+            if travelling is not None:
+                grad_kv = [a + b for a, b in zip(grad_kv, _unpack(_torch.wait(travelling), grad_kv))]
+            travelling = _pass_on(grad_kv, rank, cp, group)
+            if sending is not None:
+                kv = _unpack(_torch.wait(sending), kv)
+        grad_k, grad_v = _unpack(_torch.wait(travelling), grad_kv)
+        out = (grad_q.to(query.dtype), grad_k.to(args[2].dtype), grad_v.to(args[3].dtype))
+    if balanced:
+        out = tuple(_move_halves(t, 2, rank, cp, group, False) if i in back else t for i, t in enumerate(out))
+    return tuple(_laid_out_as(t, v) for t, v in zip(out, node.meta["val"]))
+
+
+def _merge(acc, out: torch.Tensor, lse: torch.Tensor):
+    """Attention over two key sets from each one's output and log-sum-exp (softmax weights
+    rescaled to the union's normalizer)."""
+    if acc is None:
+        return out, lse
+    acc_out, acc_lse = acc
+    total = torch.logaddexp(acc_lse, lse)
+    return (acc_out * torch.exp(acc_lse - total).unsqueeze(-1) + out * torch.exp(lse - total).unsqueeze(-1),
+            total)
 
 
 def _laid_out_as(t: torch.Tensor, val) -> torch.Tensor:
@@ -279,21 +419,44 @@ def _laid_out_as(t: torch.Tensor, val) -> torch.Tensor:
     return t.permute(order).contiguous().permute([order.index(i) for i in range(t.ndim)])
 
 
-def exchange_time(cluster, node, strategy) -> float:
-    """Seconds of the balanced variant's all-to-alls inside the op (0 for any other strategy):
-    each moves one query-row tensor's local shard (forward: the query in, the output and
-    log-sum-exp back; backward: the output gradient, query, output and log-sum-exp in, the query
-    gradient back), in line with the op."""
-    if strategy.variant != BALANCED:
-        return 0.0
+def exchange_time(cluster, node, strategy, compute: float) -> float:
+    """Seconds the op's own communication adds to its ``compute`` seconds under ``strategy``:
+
+    * balanced: the all-to-alls of the tensors it moves between the layouts (:func:`_moved`),
+      each a local shard, in line with the op;
+    * ring: of the ``cp`` steps, each hides its pass behind its block's compute (``compute`` / cp)
+      and exposes the rest. A forward step passes the key and value blocks (``cp`` - 1 passes); a
+      backward step also passes the gradient sums (float32), and the last of those, after the
+      last block, is exposed whole. One pass is one step of a ring all-gather over the mesh dim.
+    """
     d = sequence_mesh_dim(node, strategy)
-    shards = math.prod(m for m, p in zip(cluster.mesh_shape, strategy.inputs[_LAYOUT[node.target][2]])
-                       if not isinstance(p, Replicate))
-    vals = [a.meta["val"] for a in node.args[:6] if hasattr(a, "meta")]
-    out_vals = node.meta["val"]
-    moved = [vals[0]] if node.target is FWD else [vals[i] for i in (0, 1, 4, 5)]
-    moved += list(out_vals[:2]) if node.target is FWD else [out_vals[0]]
-    return sum(cluster.collective_time("all_to_all", v.numel() * v.element_size() / shards, d) for v in moved)
+    if d is None or not strategy.variant:
+        return 0.0
+    mesh_shape = cluster.mesh_shape
+    time = 0.0
+    if _is(strategy, BALANCED):
+        ins, outs = _moved(node, strategy)
+        moved = [_local_bytes(node.args[i].meta["val"], strategy.inputs[i], mesh_shape) for i in ins]
+        moved += [_local_bytes(node.meta["val"][i], strategy.outputs[i], mesh_shape) for i in outs]
+        time += sum(cluster.collective_time("all_to_all", n, d) for n in moved)
+    if _is(strategy, RING):
+        cp = mesh_shape[d]
+        step = lambda n: cluster.collective_time("all_gather", n * cp, d) / (cp - 1)  # noqa: E731
+        kv, grads = _ring_blocks(node, strategy, mesh_shape)
+        block = compute / cp
+        if node.target is FWD:
+            time += (cp - 1) * max(0.0, step(kv) - block)
+        else:
+            time += (cp - 1) * max(0.0, step(kv) + step(grads) - block) + step(grads)
+    return time
+
+
+def _ring_blocks(node, strategy, mesh_shape) -> tuple[float, float]:
+    """Bytes of one ring pass: the key and value blocks, and their float32 gradient sums."""
+    q = _LAYOUT[node.target][2]
+    vals = [node.args[i].meta["val"] for i in (q + 1, q + 2)]
+    kv = sum(_local_bytes(v, strategy.inputs[q + 1], mesh_shape) for v in vals)
+    return kv, kv * 4 / vals[0].element_size()
 
 
 def _local_bytes(val, placements, mesh_shape) -> float:
@@ -303,21 +466,34 @@ def _local_bytes(val, placements, mesh_shape) -> float:
 
 def held_beyond(node, strategy, mesh_shape) -> float:
     """Bytes the op holds under ``strategy`` beyond its inputs and outputs as the working-set
-    formula counts them (solver/memory.py): in backward, the keys and values a sequence split
-    reads whole (saved split, gathered again: the formula leaves saved values out); under the
-    balanced variant, the moved copies of the query-row tensors and of the row results. (The CPU
-    kernel's mask, local rows x visible keys in the query's dtype, is not counted: a kernel that
-    takes the offsets, as a GPU one would, has none.)"""
+    formula counts them (solver/memory.py):
+
+    * gathered keys and values, in backward: the keys and values it reads whole (saved split,
+      gathered again: the formula leaves saved values out);
+    * ring: the key and value blocks in flight; in forward the float32 output it merges into,
+      in backward the float32 gradient sums (query, and the held and travelling key blocks');
+    * balanced: the moved copies of the tensors it moves (:func:`_moved`).
+
+    (The CPU kernel's mask under the gathered causal split, local rows x visible keys in the
+    query's dtype, is not counted: a kernel that takes the offsets, as a GPU one would, has none.)
+    """
     d = sequence_mesh_dim(node, strategy)
     if d is None:
         return 0.0
     backward = node.target is BWD
-    held = sum(_local_bytes(node.args[i].meta["val"], strategy.inputs[i], mesh_shape) for i in (2, 3)) if backward else 0.0
-    if strategy.variant == BALANCED:
+    local = lambda v, p: _local_bytes(v, p, mesh_shape)  # noqa: E731
+    as_f32 = lambda v, p: local(v, p) * 4 / v.element_size()  # noqa: E731
+    if _is(strategy, RING):
+        kv, grads = _ring_blocks(node, strategy, mesh_shape)
         q = _LAYOUT[node.target][2]
-        rows = [node.args[i].meta["val"] for i in ((0, 1, 4, 5) if backward else (0,))]
-        rows += [node.meta["val"][0]] if backward else list(node.meta["val"][:2])
-        held += sum(_local_bytes(v, strategy.inputs[q], mesh_shape) for v in rows)
+        held = kv + (2 * grads + as_f32(node.args[q].meta["val"], strategy.inputs[q]) if backward
+                     else as_f32(node.meta["val"][0], strategy.outputs[0]))
+    else:
+        held = sum(local(node.args[i].meta["val"], strategy.inputs[i]) for i in (2, 3)) if backward else 0.0
+    if _is(strategy, BALANCED):
+        ins, outs = _moved(node, strategy)
+        held += sum(local(node.args[i].meta["val"], strategy.inputs[i]) for i in ins)
+        held += sum(local(node.meta["val"][i], strategy.outputs[i]) for i in outs)
     return held
 
 
