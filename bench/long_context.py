@@ -1,6 +1,7 @@
 """Long sequences: the free plan (which may split attention by sequence: context parallelism)
 against FSDP alone, against the free plan without a sequence split of attention (attention then
-split by batch and heads only), and against FSDP x CP with the CP degree fixed by hand. Predicted,
+split by batch and heads only), and against FSDP x CP with the CP degree fixed by hand; and the
+free plan again without the ring (keys and values gathered for every sequence split). Predicted,
 planned on meta with bf16 weights. Writes bench/out/long_context.json and prints a table.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/long_context.py [--seqs 32768 65536 ...] [--quick]
@@ -45,6 +46,10 @@ def _no_sequence_split(node, s) -> bool:
     return not is_attention(node) or sequence_mesh_dim(node, s) is None
 
 
+def _no_ring(node, s) -> bool:
+    return not is_attention(node) or "ring" not in s.variant.split()
+
+
 def _cp_degree(plan) -> int:
     """Ranks one attention's queries are split over by sequence, from the plan's strategies."""
     best = 1
@@ -65,8 +70,8 @@ def _row(name: str, make, tokens: int, world: int) -> dict:
     return {"plan": name, "fits": True, "step_s": p.step_time, "tok_s_gpu": tokens / p.step_time / world,
             "peak_gb": p.peak_memory / 1e9, "cp": _cp_degree(p), "mesh": list(p.mesh_shape),
             "plan_s": time.perf_counter() - t0, "status": p.solver["status"],
-            "variant": " ".join(sorted({n.strategy[n.strategy.rindex(")") + 1:].strip() for n in p.nodes
-                                        if "flash_attention" in n.op})),
+            "variant": "/".join(sorted({n.strategy[n.strategy.rindex(")") + 1:].strip() for n in p.nodes
+                                        if "flash_attention" in n.op} - {""})),
             "grids": p.stats.get("meshes")}
 
 
@@ -82,6 +87,8 @@ def case(label: str, nodes: int, layers: int, batch: int, seq: int, quick: bool)
     rows = [
         _row("free", lambda: autoshard.plan(traced, cluster, meshes=meshes), tokens, world),
         _row("no sequence split", lambda: autoshard.plan(traced, cluster, meshes=meshes, allow=_no_sequence_split),
+             tokens, world),
+        _row("free, keys gathered", lambda: autoshard.plan(traced, cluster, meshes=meshes, allow=_no_ring),
              tokens, world),
         _row("fsdp", lambda: plan_baseline(traced, cluster, "fsdp+recompute"), tokens, world),
         _row("fsdp_cp", lambda: plan_baseline(traced, cluster, "fsdp_cp+recompute"), tokens, world),

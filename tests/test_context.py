@@ -18,7 +18,7 @@ import context_cases as cc
 from autoshard.cluster import costmodel
 from autoshard.errors import InfeasibleError
 from autoshard.passes.graph import META_KEY
-from autoshard.passes.rules.attention import held_beyond, is_attention, sequence_mesh_dim
+from autoshard.passes.rules.attention import _pass_time, held_beyond, is_attention, sequence_mesh_dim
 from autoshard.passes.strategies import find_strategies
 from autoshard.planning.baselines import plan_baseline
 from autoshard.runtime.launch import run_local
@@ -167,11 +167,12 @@ def test_sequence_split_is_priced_at_the_slowest_rank():
 
 @pytest.mark.parametrize("seq", [256, 16384])
 def test_ring_exposes_what_its_passes_outlast(seq):
-    """Under the ring, each of cp steps hides its pass behind a block's compute (the op's time /
-    cp): exposed is, per step, a pass (link latency + bytes / bandwidth, by hand from the link)
-    less a block, where positive; forward cp - 1 key and value passes, backward cp - 1 passes of
-    keys, values and their float32 gradient sums, then the last sums alone. A short sequence
-    exposes its passes (the latency outlasts a block), a long one hides them."""
+    """Under the ring, each of cp steps hides what passes during it behind a block's compute (the
+    op's time / cp) and exposes the rest; a pass is the link's latency + bytes / bandwidth, by hand.
+    Forward: cp - 1 key and value passes. Backward: step 0 passes keys, steps 1 .. cp-2 keys and
+    the previous step's float32 gradient sums, step cp - 1 the sums alone, and the last sums
+    arrive after the last block. A short sequence exposes its passes (the latency outlasts a
+    block); a long one hides all but the last sums."""
     _, nodes = _attention_nodes(False, (8,), seq=seq, heads=8, batch=1)
     cluster = autoshard.Cluster.preset("dgx-h100").with_mesh((8,))
     link = cluster.links[0]
@@ -181,34 +182,60 @@ def test_ring_exposes_what_its_passes_outlast(seq):
     kv = 2 * k.numel() * k.element_size() / cp          # keys and values, one block each
     grads = 2 * k.numel() * 4 / cp
     one_pass = lambda n: link.latency + n / link.effective_bandwidth  # noqa: E731
-    exposed = []
+    hidden = []
     for node in (fwd, bwd):
         cost = node.meta[autoshard.passes.annotate.META_KEY]
         ring = next(s for s in node.meta[META_KEY].strategies if s.variant == "ring")
-        block = cluster.compute_time(cost.flops / cp, cost.bytes / cp, cost.dtype)
+        compute = cluster.compute_time(cost.flops / cp, cost.bytes / cp, cost.dtype)
+        b = compute / cp
         if node is fwd:
-            want = (cp - 1) * max(0.0, one_pass(kv) - block / cp)
+            exposed = (cp - 1) * max(0.0, one_pass(kv) - b)
         else:
-            want = (cp - 1) * max(0.0, one_pass(kv) + one_pass(grads) - block / cp) + one_pass(grads)
-        assert costmodel.compute_time(cluster, node, ring) == pytest.approx(block + want, rel=1e-9)
-        exposed.append(want - (0 if node is fwd else one_pass(grads)))
-    assert (exposed[0] > 0 and exposed[1] > 0) if seq == 256 else exposed == [0.0, 0.0]
+            exposed = (max(0.0, one_pass(kv) - b) + (cp - 2) * max(0.0, one_pass(kv) + one_pass(grads) - b)
+                       + max(0.0, one_pass(grads) - b) + one_pass(grads))
+        assert costmodel.compute_time(cluster, node, ring) == pytest.approx(compute + exposed, rel=1e-9)
+        hidden.append(exposed == (0.0 if node is fwd else one_pass(grads)))
+    assert hidden == ([False, False] if seq == 256 else [True, True])
 
 
-def test_ring_holds_two_key_blocks_not_the_gathered_keys():
-    """The working set of backward attention split by sequence: gathered, the whole keys and
-    values (twice: the gather's copy and the one read again); ring, a key and value block in
-    flight and float32 gradient sums, so less at any cp."""
-    _, nodes = _attention_nodes(False, (8,), seq=4096, heads=8, batch=1)
+def test_a_ring_step_across_nodes_waits_on_the_slow_link():
+    """A mesh dim over two 8-GPU nodes: the ring's pass to the next rank crosses the network at
+    some step, and every step waits for the slowest: its price is the network link's, not the
+    hierarchical all-gather's average step (which carries the slow hop once)."""
+    one_level = autoshard.Cluster.preset("dgx-h100").with_mesh((8,))
+    two_levels = autoshard.Cluster.preset("dgx-h100", nodes=2).with_mesh((16,))
+    n = 64e6
+    slow = min((link for _, link in two_levels.levels[0]), key=lambda l: l.effective_bandwidth)
+    assert _pass_time(two_levels, 0, n) == pytest.approx(slow.latency + n / slow.effective_bandwidth)
+    assert _pass_time(two_levels, 0, n) > two_levels.collective_time("all_gather", 16 * n, 0) / 15
+    link = one_level.links[0]
+    assert _pass_time(one_level, 0, n) == pytest.approx(link.latency + n / link.effective_bandwidth)
+
+
+def test_ring_holds_key_blocks_not_the_gathered_keys():
+    """Beyond its tensors, backward attention split by sequence holds: gathered, the whole keys
+    and values (saved split, read whole); ring, three key and value blocks (attended, sent,
+    arriving), four blocks' float32 gradient sums and the query's float32 gradient sum, counted
+    by hand here; balanced ring adds the copies it moves (6 in, 3 back). At cp = 8 the ring
+    holds less than the gathered split; at cp = 2 (fp32 sums, three blocks) more."""
+    for cp in (2, 8):
+        _, nodes = _attention_nodes(False, (cp,), seq=4096, heads=8, batch=1)
+        bwd = next(n for n in nodes if len(n.meta["val"]) == 3)
+        split = {s.variant: s for s in bwd.meta[META_KEY].strategies
+                 if sequence_mesh_dim(bwd, s) == 0 and s.inputs[1] == (Shard(2),)}
+        k, q = bwd.args[2].meta["val"], bwd.args[1].meta["val"]
+        whole_kv = 2 * k.numel() * k.element_size()
+        assert held_beyond(bwd, split[""], (cp,)) == whole_kv
+        ring = held_beyond(bwd, split["ring"], (cp,))
+        assert ring == pytest.approx(3 * whole_kv / cp + 4 * whole_kv / cp * 4 / k.element_size()
+                                     + q.numel() * 4 / cp)
+        assert (ring < whole_kv) == (cp == 8)
+    _, nodes = _attention_nodes(True, (8,), seq=4096, heads=8, batch=1)
     bwd = next(n for n in nodes if len(n.meta["val"]) == 3)
-    split = {s.variant: s for s in bwd.meta[META_KEY].strategies if sequence_mesh_dim(bwd, s) == 0}
-    k = bwd.args[2].meta["val"]
-    whole_kv = 2 * k.numel() * k.element_size()
-    q = bwd.args[1].meta["val"]
-    assert held_beyond(bwd, split[""], (8,)) == whole_kv
-    # a block in flight, the held and the travelling gradient sums, the query's gradient sum
-    assert held_beyond(bwd, split["ring"], (8,)) == pytest.approx(
-        whole_kv / 8 + 2 * whole_kv / 8 * 4 / k.element_size() + q.numel() * 4 / 8)
+    balanced = next(s for s in bwd.meta[META_KEY].strategies if s.variant == "balanced ring")
+    rows = [bwd.args[i].meta["val"] for i in range(6)] + list(bwd.meta["val"])
+    moved = sum(v.numel() * v.element_size() / 8 for v in rows)   # 6 in, 3 back
+    assert held_beyond(bwd, balanced, (8,)) == pytest.approx(ring + moved)
 
 
 def test_a_sequence_the_mesh_does_not_divide_gets_no_split():

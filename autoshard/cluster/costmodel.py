@@ -5,8 +5,8 @@ runs on its local shard, split over the ranks of every mesh dim where any of its
 replicated (a replicated mesh dim repeats the whole op on each rank). Where the split is uneven
 in work (causal attention split by sequence), ``shards`` is divided by the strategy's
 ``imbalance``: the slowest rank sets the time. An op that communicates inside itself under a
-strategy (``rules.INLINE_COMM``: the balanced causal split's all-to-alls, a ring's key passes)
-adds what of those collectives' time its compute does not hide. For the inductor backend
+strategy (``rules.INLINE_COMM``) adds those collectives' time as the op prices it: the balanced
+causal split's all-to-alls in full, a ring's key passes less what its blocks' compute hides. For the inductor backend
 the bytes are the op's fused ones and an op inlined into its reader's kernel has no launch
 (passes/annotate.py).
 

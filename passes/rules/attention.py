@@ -9,14 +9,14 @@ the output, the log-sum-exp and all gradients alike; the all-Replicate rule is i
 where it has that dim, and is replicated where it broadcasts.
 
 Context parallelism splits the sequence (dim 2) of the queries, the output and the log-sum-exp:
-each rank attends its own query rows to every key, so keys and values are whole (gathered: the
-resharding the solver prices) and, in backward, their gradients are partial sums over ranks
-(reduced: priced alike). Without a causal mask that is a plain DTensor rule, registered below
+each rank attends its own query rows to every key. In the gathered variants keys and values are
+whole (gathered: the resharding the solver prices) and, in backward, their gradients are partial
+sums over ranks (reduced: priced alike); the ring variants (below) keep them split. Without a causal mask that is a plain DTensor rule, registered below
 (a mask splits along its query dim). With one, a rank's rows at global positions ``o + i`` see
 keys ``j <= o + i``: the kernel run on the local rows needs that offset, which DTensor's rule
 cannot pass, so these strategies are autoshard's own (:func:`context_strategies`) and the
-rewriter runs the op itself with the offset mask (:func:`_local`). Two variants, priced apart
-for the ILP to choose:
+rewriter runs the op itself with the offset mask (:func:`_local`). Two gathered causal variants,
+priced apart for the ILP to choose:
 
 * contiguous: rank r computes chunk r of the queries, so the last rank of ``cp`` has the most
   work, ``(2 cp - 1) / cp`` times an even share (the strategy's ``imbalance``: the cost model
@@ -33,8 +33,9 @@ ring" for a causal op) take keys and values split like the queries instead: each
 its rows to its own key block, then to the block its left neighbour passes it, ``cp`` steps in
 all, each pass overlapping the current block's compute; the block outputs merge by their
 log-sum-exps. Backward passes the key and value blocks again, with their gradients' running sums
-(float32), which end at their owners. A rank holds two key blocks at a time, not the whole keys,
-and only the part of the passes that outlasts a block's compute is exposed. A causal op runs the
+(float32), which end at their owners. A rank holds a few key blocks at a time (the one it
+attends to, the copy it sends, the one arriving), not the whole keys, and only the part of the
+passes that outlasts a block's compute is exposed. A causal op runs the
 ring balanced ("balanced ring"): queries, keys and values move to the balanced layout first, as
 above, so every step gives every rank the same work; its blocks of half-chunks are full (keys
 before the rows), diagonal (the kernel's own causal mask) or skipped, so no mask tensor is built.
@@ -166,7 +167,7 @@ def context_strategies(node, mesh_shape) -> list[tuple[tuple, tuple, float, str]
     n_out, _, q = _LAYOUT[node.target]
     length, keys = node.args[q].meta["val"].shape[2], node.args[q + 1].meta["val"].shape[2]
     gathered, ring = (_SEQ_FWD, _RING_FWD) if node.target is FWD else (_SEQ_BWD, _RING_BWD)
-    found = []
+    found, other = [], [[R] * 9, [S(0)] * 9, [S(1)] * 9]
     for cp_dim, cp in enumerate(mesh_shape):
         balances = length % (2 * cp) == 0
         variants = []
@@ -178,7 +179,6 @@ def context_strategies(node, mesh_shape) -> list[tuple[tuple, tuple, float, str]
         if keys == length and cp > 1 and (balances if causal else length % cp == 0):
             variants.append((ring, 1.0, f"{BALANCED} {RING}" if causal else RING))
         # the other dims' splits outermost: the order the solver's ties were broken in before the ring
-        other = [[R] * 9, [S(0)] * 9, [S(1)] * 9]
         for choice in itertools.product(*[[None] if d == cp_dim else other for d in range(len(mesh_shape))]):
             for seq, imbalance, variant in variants:
                 rules = [seq if c is None else c[:len(seq)] for c in choice]
@@ -258,7 +258,8 @@ def _local(node, args: tuple, kwargs: dict, strategy, mesh):
     the keys up to its last row's position only, with a mask of the rows' own positions: so the
     CPU kernel, which skips no masked block, does the causal work the split is priced at. The
     row results are joined (and moved back); the key and value gradients of the blocks are summed
-    over the whole key length (a partial sum over every rank's queries, in any layout)."""
+    over the whole key length (a partial sum over every rank's queries, in any layout). The ring
+    variants run in :func:`_ring`."""
     d = sequence_mesh_dim(node, strategy)
     if d is not None and _is(strategy, RING):
         return _ring(node, args, kwargs, strategy, mesh, d)
@@ -424,10 +425,10 @@ def exchange_time(cluster, node, strategy, compute: float) -> float:
 
     * balanced: the all-to-alls of the tensors it moves between the layouts (:func:`_moved`),
       each a local shard, in line with the op;
-    * ring: of the ``cp`` steps, each hides its pass behind its block's compute (``compute`` / cp)
-      and exposes the rest. A forward step passes the key and value blocks (``cp`` - 1 passes); a
-      backward step also passes the gradient sums (float32), and the last of those, after the
-      last block, is exposed whole. One pass is one step of a ring all-gather over the mesh dim.
+    * ring: each of the ``cp`` steps hides what passes during it behind its block's compute
+      (``compute`` / cp) and exposes the rest. Forward: steps 0 .. cp-2 pass the next key and
+      value block. Backward: step s passes the next key block and the gradient sums of step
+      s - 1 (float32); the sums of the last step arrive after it, exposed whole.
     """
     d = sequence_mesh_dim(node, strategy)
     if d is None or not strategy.variant:
@@ -435,20 +436,35 @@ def exchange_time(cluster, node, strategy, compute: float) -> float:
     mesh_shape = cluster.mesh_shape
     time = 0.0
     if _is(strategy, BALANCED):
-        ins, outs = _moved(node, strategy)
-        moved = [_local_bytes(node.args[i].meta["val"], strategy.inputs[i], mesh_shape) for i in ins]
-        moved += [_local_bytes(node.meta["val"][i], strategy.outputs[i], mesh_shape) for i in outs]
-        time += sum(cluster.collective_time("all_to_all", n, d) for n in moved)
+        time += sum(cluster.collective_time("all_to_all", n, d) for n in _moved_bytes(node, strategy, mesh_shape))
     if _is(strategy, RING):
         cp = mesh_shape[d]
-        step = lambda n: cluster.collective_time("all_gather", n * cp, d) / (cp - 1)  # noqa: E731
-        kv, grads = _ring_blocks(node, strategy, mesh_shape)
+        kv, grads = (_pass_time(cluster, d, n) for n in _ring_blocks(node, strategy, mesh_shape))
         block = compute / cp
         if node.target is FWD:
-            time += (cp - 1) * max(0.0, step(kv) - block)
+            time += (cp - 1) * max(0.0, kv - block)
         else:
-            time += (cp - 1) * max(0.0, step(kv) + step(grads) - block) + step(grads)
+            time += (max(0.0, kv - block) + (cp - 2) * max(0.0, kv + grads - block) + max(0.0, grads - block)
+                     + grads)
     return time
+
+
+def _pass_time(cluster, d: int, nbytes: float) -> float:
+    """One pass of ``nbytes`` to the next rank of mesh dim ``d``: a step of a ring all-gather over
+    the dim where it spans one hardware level (its calibrated line, where it has one); where it
+    spans several, a ring's step waits on its slowest hop: that link's latency + bytes / bandwidth."""
+    levels = cluster.levels[d]
+    if len(levels) == 1:
+        return cluster.collective_time("all_gather", nbytes * cluster.mesh_shape[d], d) / (cluster.mesh_shape[d] - 1)
+    slowest = min((link for _, link in levels), key=lambda l: (l.effective_bandwidth, -l.latency))
+    return slowest.latency + nbytes / slowest.effective_bandwidth
+
+
+def _moved_bytes(node, strategy, mesh_shape) -> list[float]:
+    """Local bytes of each tensor a balanced strategy moves between the layouts (:func:`_moved`)."""
+    ins, outs = _moved(node, strategy)
+    return ([_local_bytes(node.args[i].meta["val"], strategy.inputs[i], mesh_shape) for i in ins]
+            + [_local_bytes(node.meta["val"][i], strategy.outputs[i], mesh_shape) for i in outs])
 
 
 def _ring_blocks(node, strategy, mesh_shape) -> tuple[float, float]:
@@ -470,8 +486,11 @@ def held_beyond(node, strategy, mesh_shape) -> float:
 
     * gathered keys and values, in backward: the keys and values it reads whole (saved split,
       gathered again: the formula leaves saved values out);
-    * ring: the key and value blocks in flight; in forward the float32 output it merges into,
-      in backward the float32 gradient sums (query, and the held and travelling key blocks');
+    * ring: three key and value blocks (the one attended to, the copy being sent, the one
+      arriving); forward, the float32 output being merged and a merge's two float32 terms;
+      backward, the float32 query gradient sum and four blocks' gradient sums (this step's, the
+      ones arriving, their total, the copy being sent). Counted so even where the float32 sums
+      are the op's outputs themselves (an fp32 model): an upper bound there;
     * balanced: the moved copies of the tensors it moves (:func:`_moved`).
 
     (The CPU kernel's mask under the gathered causal split, local rows x visible keys in the
@@ -481,19 +500,17 @@ def held_beyond(node, strategy, mesh_shape) -> float:
     if d is None:
         return 0.0
     backward = node.target is BWD
-    local = lambda v, p: _local_bytes(v, p, mesh_shape)  # noqa: E731
-    as_f32 = lambda v, p: local(v, p) * 4 / v.element_size()  # noqa: E731
+    local = lambda i, p: _local_bytes(node.args[i].meta["val"], p, mesh_shape)  # noqa: E731
     if _is(strategy, RING):
         kv, grads = _ring_blocks(node, strategy, mesh_shape)
         q = _LAYOUT[node.target][2]
-        held = kv + (2 * grads + as_f32(node.args[q].meta["val"], strategy.inputs[q]) if backward
-                     else as_f32(node.meta["val"][0], strategy.outputs[0]))
+        as_f32 = lambda v, p: _local_bytes(v, p, mesh_shape) * 4 / v.element_size()  # noqa: E731
+        held = 3 * kv + (4 * grads + as_f32(node.args[q].meta["val"], strategy.inputs[q]) if backward
+                         else 3 * as_f32(node.meta["val"][0], strategy.outputs[0]))
     else:
-        held = sum(local(node.args[i].meta["val"], strategy.inputs[i]) for i in (2, 3)) if backward else 0.0
+        held = sum(local(i, strategy.inputs[i]) for i in (2, 3)) if backward else 0.0
     if _is(strategy, BALANCED):
-        ins, outs = _moved(node, strategy)
-        held += sum(local(node.args[i].meta["val"], strategy.inputs[i]) for i in ins)
-        held += sum(local(node.meta["val"][i], strategy.outputs[i]) for i in outs)
+        held += sum(_moved_bytes(node, strategy, mesh_shape))
     return held
 
 
