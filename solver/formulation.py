@@ -53,6 +53,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -238,8 +239,20 @@ def _allowed(traced, cluster, nodes: list, storage: dict, constraints: dict | No
             strategies = n.meta[META_KEY].strategies
             allowed[n] = [s for s in allowed[n] if allow(n, strategies[s])]
             if not allowed[n]:
-                raise ConstraintError(f"no strategy of {n.name} ({n.target}) satisfies the given limits")
+                raise ConstraintError(f"no strategy of {n.name} ({n.target}{_shape_of(n)}) satisfies the given "
+                                      f"limits; it has {_listed([str(strategies[s]) for s in range(len(strategies))])}")
     return allowed
+
+
+def _shape_of(n) -> str:
+    val = getattr(n, "meta", {}).get("val")
+    return f", shape {tuple(val.shape)}" if isinstance(val, torch.Tensor) else ""
+
+
+def _listed(texts: list[str], most: int = 6) -> str:
+    """"the strategies a, b, c", or the first ``most`` and how many more."""
+    shown = ", ".join(texts[:most])
+    return f"the strategies {shown}" + (f" and {len(texts) - most} more" if len(texts) > most else "")
 
 
 def _pin_inputs(allowed: dict, traced, cluster, value) -> None:

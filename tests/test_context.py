@@ -38,7 +38,7 @@ CASES_2 = {  # name: (causal, mesh shape, cp mesh dim, data mesh dim, causal var
 }
 CASES_4 = {
     "llama-causal-balanced-cp4": (True, (4,), 0, None, "balanced"),
-    "llama-causal-balanced-data_x_cp": (True, (2, 2), 1, 0, "balanced"),
+    "llama-causal-balanced-ring-data_x_cp": (True, (2, 2), 1, 0, "balanced ring"),
     "llama-bidirectional-data_x_cp": (False, (2, 2), 1, 0),
     "llama-causal-balanced-heads_x_cp": (True, (2, 2), 1, None, "balanced", "llama", "eager", 0),
     "llama-causal-balanced-ring-cp4": (True, (4,), 0, None, "balanced ring"),
@@ -344,3 +344,14 @@ def test_attention_that_cannot_split_is_reported():
     queries = [g for g in gaps if f"input {1 if 'backward' in g['op'] else 0} (" in g["reason"]]
     assert len(queries) == 2 and all(hint in g["reason"] for g in queries), gaps
     assert not any(hint in g["reason"] for g in gaps if g not in queries)
+
+
+def test_fsdp_cp_that_cannot_split_says_what_each_grid_lacks():
+    """FSDP x CP of one sequence of 60 on 8 devices: no grid splits a batch of one over its FSDP
+    dim, and the error names the input, its shape and the placements it could take."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab=64, seq=60, hidden=32, heads=2, kv_heads=2, intermediate=64, layers=1))
+    inputs = tuple(torch.empty(1, 60, dtype=torch.long, device="meta") for _ in range(2))
+    with pytest.raises(InfeasibleError, match=r"shape \(1, 60\)\) satisfies the given limits; it has the "
+                                              r"strategies ->\(R,R\), ->\(R,S\(1\)\)"):
+        plan_baseline(model, autoshard.Cluster.preset("dgx-h100"), "fsdp_cp", inputs)
