@@ -11,11 +11,12 @@ where it has that dim, and is replicated where it broadcasts.
 Context parallelism splits the sequence (dim 2) of the queries, the output and the log-sum-exp:
 each rank attends its own query rows to every key. In the gathered variants keys and values are
 whole (gathered: the resharding the solver prices) and, in backward, their gradients are partial
-sums over ranks (reduced: priced alike); the ring variants (below) keep them split. Without a causal mask that is a plain DTensor rule, registered below
-(a mask splits along its query dim). With one, a rank's rows at global positions ``o + i`` see
-keys ``j <= o + i``: the kernel run on the local rows needs that offset, which DTensor's rule
-cannot pass, so these strategies are autoshard's own (:func:`context_strategies`) and the
-rewriter runs the op itself with the offset mask (:func:`_local`). Two gathered causal variants,
+sums over ranks (reduced: priced alike); the ring variants (below) keep them split. Gathered and
+without a causal mask, the split is a plain DTensor rule, registered below (a mask splits along
+its query dim). With a causal mask, a rank's rows at global positions ``o + i`` see keys
+``j <= o + i``: the kernel run on the local rows needs that offset, which DTensor's rule cannot
+pass, so these strategies are autoshard's own (:func:`context_strategies`) and the rewriter runs
+the op itself with the offset mask (:func:`_local`). Two gathered causal variants,
 priced apart for the ILP to choose:
 
 * contiguous: rank r computes chunk r of the queries, so the last rank of ``cp`` has the most
