@@ -37,7 +37,6 @@ CASES_2 = {  # name: (causal, mesh shape, cp mesh dim, data mesh dim, causal var
     "transformers-llama-causal-balanced-ring": (True, (2,), 0, None, "balanced ring", "hf_llama3"),
 }
 CASES_4 = {
-    "llama-causal-balanced-cp4": (True, (4,), 0, None, "balanced"),
     "llama-causal-balanced-ring-data_x_cp": (True, (2, 2), 1, 0, "balanced ring"),
     "llama-bidirectional-data_x_cp": (False, (2, 2), 1, 0),
     "llama-causal-balanced-heads_x_cp": (True, (2, 2), 1, None, "balanced", "llama", "eager", 0),
