@@ -6,9 +6,9 @@ replicated (a replicated mesh dim repeats the whole op on each rank). Where the 
 in work (causal attention split by sequence), ``shards`` is divided by the strategy's
 ``imbalance``: the slowest rank sets the time. An op that communicates inside itself under a
 strategy (``rules.INLINE_COMM``) adds those collectives' time as the op prices it: the balanced
-causal split's all-to-alls in full, a ring's key passes less what its blocks' compute hides. For the inductor backend
-the bytes are the op's fused ones and an op inlined into its reader's kernel has no launch
-(passes/annotate.py).
+causal split's all-to-alls in full, a ring's key passes less what its blocks' compute hides. For
+the inductor backend the bytes are the op's fused ones and an op inlined into its reader's kernel
+has no launch (passes/annotate.py).
 
 resharding(src -> dst) walks the mesh dims; on dim d the local tensor (the global one divided by
 the shards of the *other* dims) moves by one collective (ring formulas in cluster.py):
