@@ -1,10 +1,13 @@
 """Shared test setup: importable job modules for spawned ranks, one OpenMP thread, no saved
 calibration."""
 
+import functools
 import os
 import sys
 
 import pytest
+
+import autoshard.runtime.launch as _launch
 
 # Spawned ranks import job functions by module name (e.g. ``test_launch``): keep tests/ on
 # sys.path whatever pytest's import mode; children inherit the parent's sys.path.
@@ -17,6 +20,30 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "world(n): test launches n local ranks via autoshard.launch")
+
+
+# `make test` runs the tests marked `world` one at a time and the rest on pytest-xdist workers: a
+# test that launches ranks without the marker would run its ranks beside another worker's test.
+_item = [None]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _item[0] = item  # module fixtures that launch ranks are set up here, for their first test
+
+
+def _world_marked(run_local):
+    @functools.wraps(run_local)
+    def checked(fn, world_size, *args, **kwargs):
+        item = _item[0]
+        if item is not None and item.get_closest_marker("world") is None:
+            pytest.fail(f"{item.nodeid} launches {world_size} ranks: mark it @pytest.mark.world({world_size})",
+                        pytrace=False)
+        return run_local(fn, world_size, *args, **kwargs)
+    return checked
+
+
+_launch.run_local = _world_marked(_launch.run_local)
 
 
 @pytest.fixture(autouse=True)

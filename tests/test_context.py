@@ -91,11 +91,13 @@ def _check(results, name, spec):
         assert p[cp_dim] == Shard(1) and (data_dim is None or p[data_dim] == Shard(0)), err["inputs"]
 
 
+@pytest.mark.world(2)
 @pytest.mark.parametrize("name", list(CASES_2))
 def test_sequence_split_attention_matches_one_device_on_two_ranks(results_2, name):
     _check(results_2, name, CASES_2[name])
 
 
+@pytest.mark.world(4)
 @pytest.mark.parametrize("name", list(CASES_4))
 def test_sequence_split_attention_matches_one_device_on_four_ranks(results_4, name):
     _check(results_4, name, CASES_4[name])
