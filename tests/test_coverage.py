@@ -4,7 +4,6 @@ device (tests/zoo_cases.py)."""
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import pytest
@@ -19,7 +18,7 @@ from autoshard import _torch, zoo
 from autoshard.zoo import corpus
 from autoshard.cluster import Cluster
 from autoshard.errors import CoverageGapError
-from autoshard.runtime.launch import DistributedRunError, run_local
+from autoshard.runtime.launch import run_local
 from autoshard.passes.coverage import coverage_gaps
 from autoshard.passes.graph import tensor_inputs
 from autoshard.passes.strategies import META_KEY, find_strategies
@@ -207,17 +206,7 @@ TRAINED = ["rope_stack", "gptj", "mistral", "t5", "convnext", "roberta", "clip",
 @pytest.fixture(scope="module")
 def trained():
     cases = {name: (f"corpus:{name}", (2,), None) for name in TRAINED}
-    try:
-        return run_local(zc.run_zoo, 2, cases, timeout=1200)
-    except DistributedRunError as exc:
-        # torch 2.15 once aborted a rank here inside pybind11's object dealloc ("Tried to deallocate
-        # unregistered instance", a C++ terminate at garbage collection) in a whole-suite run;
-        # the same cases alone passed. A rank killed by a signal runs the cases again, once, with a
-        # warning; an exception or a wrong number fails as before.
-        if not exc.errors or not all(re.search(r"exited with code -\d+ ", t) for t in exc.errors.values()):
-            raise
-        warnings.warn(f"a rank died by a signal; the corpus runs again once:\n{exc}")
-        return run_local(zc.run_zoo, 2, cases, timeout=1200)
+    return run_local(zc.run_zoo, 2, cases, timeout=1200)
 
 
 @pytest.mark.world(2)

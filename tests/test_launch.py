@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import resource
 import time
 
 import pytest
@@ -39,6 +40,22 @@ def hang_on_rank1_job():
             time.sleep(3600)
     dist.all_reduce(torch.ones(1))  # waits for rank 1 until pg_timeout
     return "unreachable"
+
+
+def crash_on_rank1_job():
+    if dist.get_rank() == 1:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        os.abort()
+    dist.all_reduce(torch.ones(1))  # its link to rank 1 breaks: this rank raises too
+    return "unreachable"
+
+
+def crash_once_job(flag):
+    if dist.get_rank() == 1 and not os.path.exists(flag):
+        open(flag, "w").close()
+        crash_on_rank1_job()
+    dist.all_reduce(torch.ones(1))
+    return "ok"
 
 
 def sleep_job():
@@ -85,6 +102,22 @@ def test_rank_error_names_rank_and_reaps():
     msg = str(ei.value)
     assert "rank 1 raised" in msg and "ValueError: boom from rank one" in msg
     assert 1 in ei.value.errors
+    _assert_reaped()
+
+
+def test_a_crash_is_named_beside_the_errors_it_causes():
+    """A rank that aborts takes its peers' collectives down: their errors ("connection reset")
+    tend to arrive first, and the crash, the cause, is named with them."""
+    # (the unwrapped launcher: tests/conftest.py runs a job whose rank crashed once more)
+    with pytest.raises(DistributedRunError) as ei:
+        run_local.__wrapped__(crash_on_rank1_job, 2, timeout=60, pg_timeout=30)
+    assert "rank 1 died" in str(ei.value) and "(SIGABRT)" in ei.value.errors[1], str(ei.value)
+    _assert_reaped()
+
+
+def test_the_suite_runs_a_crashed_job_once_more(tmp_path):
+    with pytest.warns(UserWarning, match="crashed in native code"):
+        assert run_local(crash_once_job, 2, str(tmp_path / "crashed"), timeout=60, pg_timeout=30) == ["ok"] * 2
     _assert_reaped()
 
 

@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -112,13 +113,27 @@ def _collect(procs, q, deadline):
             for r, p in enumerate(procs):  # exited without a report (after a grace for in-flight data)
                 if r not in results and p.exitcode is not None:
                     if now - dead_since.setdefault(r, now) > 1.0:
-                        errors[r] = ("died", f"process exited with code {p.exitcode} without reporting")
+                        errors[r] = ("died", _died(p.exitcode))
             continue
         if status == "ok":
             results[rank] = pickle.loads(payload)
         else:
             errors[rank] = (status, payload)
+    if errors:  # a rank's "connection reset" is often the echo of a peer that crashed: name it too
+        end = min(deadline, time.monotonic() + 1.0)
+        while True:
+            for r, p in enumerate(procs):
+                if r not in results and r not in errors and p.exitcode not in (None, 0):
+                    errors[r] = ("died", _died(p.exitcode))
+            if time.monotonic() >= end or len(results) + len(errors) == len(procs):
+                break
+            time.sleep(0.05)
     return results, errors
+
+
+def _died(exitcode: int) -> str:
+    how = f" ({signal.Signals(-exitcode).name})" if exitcode < 0 and -exitcode in signal.valid_signals() else ""
+    return f"process exited with code {exitcode}{how} without reporting"
 
 
 def run_local(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
