@@ -1,5 +1,6 @@
 """Shared test setup: importable job modules for spawned ranks, one OpenMP thread, no saved
-calibration."""
+calibration; tests that launch ranks carry the `world` marker, and a job whose rank crashed in
+native code runs once more."""
 
 import functools
 import os
