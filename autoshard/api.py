@@ -27,7 +27,8 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
          memory_limit: float | None = None, recompute: bool | str = True, share_layers: bool = True,
          strict: bool = False, time_limit: float = 120.0, progress: bool | None = None,
          allow=None, mixed_precision: MixedPrecision | None = None, grad_accumulation: int = 1,
-         meshes=None, followers: bool = True, cutoff: float | None = None, backend: str = "eager") -> Plan:
+         meshes=None, followers: bool = True, cutoff: float | None = None, backend: str = "eager",
+         moe_imbalance: float = 1.0) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
@@ -54,6 +55,10 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     (``example_inputs`` are one micro-batch), the gradient reduction charged once per K. Raises
     :class:`~autoshard.errors.InfeasibleError` with ``min_memory`` when no plan fits.
 
+    ``moe_imbalance`` (>= 1): for a Mixture-of-Experts run expert-parallel, the rows the busiest
+    rank receives over an even share (as measured from the router's counts); its exchanges and
+    grouped GEMMs are priced at that load. Default 1.0: uniform routing.
+
     ``backend``: what will run the program, "eager" (op by op) or "inductor" (compiled, elementwise
     chains fused), which prices each op (the plan records it and runs only under it)."""
     check_backend(backend)
@@ -66,10 +71,11 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
                                  recompute=recompute, share_layers=share_layers, strict=strict,
                                  time_limit=time_limit, progress=progress, allow=allow,
                                  mixed_precision=mixed_precision, grad_accumulation=grad_accumulation,
-                                 followers=followers, cutoff=cutoff, backend=backend)
+                                 followers=followers, cutoff=cutoff, backend=backend, moe_imbalance=moe_imbalance)
     t0 = time.perf_counter()
     progress = Progress(progress)
-    traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, progress)
+    traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, progress,
+                                      moe_imbalance=moe_imbalance)
     t1 = time.perf_counter()
     problem, solution, limit = solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
                                       share_layers, allow, **accumulation(grad_accumulation),
@@ -88,7 +94,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
             plan: Plan | None = None, memory_limit: float | None = None, recompute: bool = True,
             share_layers: bool = True, strict: bool = False, time_limit: float = 120.0,
             mixed_precision: MixedPrecision | None = None, grad_accumulation: int | None = None,
-            allow=None, followers: bool = True, backend: str | None = None) -> DistributedModule:
+            allow=None, followers: bool = True, backend: str | None = None,
+            moe_imbalance: float = 1.0) -> DistributedModule:
     """Plan (unless ``plan`` is given) and build this rank's module. Call on every rank of an
     initialized process group whose world size is ``cluster.world_size``.
 
@@ -133,7 +140,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     else:
         device_type = "cuda" if group_backend == "nccl" else "cpu"
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, device=device)
+    traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, device=device,
+                                      moe_imbalance=moe_imbalance)
     if plan is None:
         # Rank 0 plans and everyone runs its plan: ranks must never disagree on a tie.
         box = [None]

@@ -28,6 +28,16 @@ warning naming the op.
 
 Facts go to ``node.meta["autoshard.region"]``: a :class:`TokenLocal` per region node, giving the
 placement each of its tensors takes on a mesh dim the region splits tokens over.
+
+Expert parallelism: a region may instead split its experts over one of those dims
+(passes/rules/experts.py): each rank holds some experts whole and receives their rows from every
+rank. The routed rows a gather or scatter puts into expert order are *moved* (sent to their
+experts' ranks), and so is every row tensor computed from them, up to the gathers and scatters
+back to token order, which receive them back; the sort's own ids and positions stay the rank's.
+Each fact also gives its tensors' placements on such a dim (``ep_outputs``, ``ep_inputs``): a
+moved tensor is held as large as replicated (a rank may receive every rank's rows), the experts'
+weights and their gradients split by expert. :func:`ep_strategies` turns them into strategies of
+variant ``ep<d>``; a region whose ops mix moved rows with the rank's own sorted rows gets none.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -60,6 +70,11 @@ class TokenLocal:
     outputs: tuple                   # per tensor output: its placement on a token-split mesh dim
     inputs: tuple                    # per tensor input (graph.tensor_inputs order)
     local: bool                      # run on local tensors (True) or through DTensor's rule (False)
+    # on an expert-parallel mesh dim (module doc): per tensor output and input, its placement
+    # there; None where the region cannot run expert-parallel
+    ep_outputs: tuple | None = None
+    ep_inputs: tuple | None = None
+    experts: int = 0                 # the region's expert count (its counts' bins)
 
     @property
     def neutral(self) -> bool:
@@ -74,6 +89,7 @@ class _Local:
     axis: int     # the token axis
     values: str   # "plain" | "tok" | "pos"
     rows: int = 0  # for positions: the length of the axis they index
+    moved: bool = False  # routed rows an expert-parallel run sends to their experts' ranks
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,8 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
     invalid: dict[int, str] = {}
     seeds: list[fx.Node] = []
     dispatch: set[int] = set()              # regions that count or multiply per expert
+    no_ep: dict[int, str] = {}              # region -> why it cannot run expert-parallel
+    experts: dict[int, set[int]] = {}       # region -> the expert counts its counts and GEMMs imply
 
     def st(a):
         return state.get(picked_output(a) or (a, 0)) if isinstance(a, fx.Node) else None  # before value_of's facts
@@ -126,7 +144,8 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
                 seeds.append(node)
                 state[(node, 0)] = _Local(rid, "sorted", 0, "plain")
                 state[(node, 1)] = _Local(rid, "sorted", 0, "tok", _val(x).shape[0])
-                facts[node] = TokenLocal(rid, node.name, (Shard(0), Shard(0)), (Shard(0),), True)
+                facts[node] = TokenLocal(rid, node.name, (Shard(0), Shard(0)), (Shard(0),), True,
+                                         (Shard(0), Shard(0)), (Shard(0),))
             continue
         if not regions:
             continue
@@ -141,14 +160,20 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
         if node.target in _DISPATCH:
             dispatch.add(rid)
         try:
-            outs, fact = _rule(node, ins, st, mesh1, rid, seeds[rid].name, facts)
+            outs, fact = _rule(node, ins, st, mesh1, rid, seeds[rid].name, facts, no_ep)
         except _Invalid as exc:
             invalid.setdefault(rid, f"{node.name} ({node.target}): {exc}")
             continue
         for i, s in enumerate(outs):
             if s is not None:
                 state[(node, i)] = s
-        facts[node] = fact
+        facts[node] = _with_ep(node, fact, [st(a) for a in ins], outs)
+        if node.target is aten.histc.default:
+            experts.setdefault(rid, set()).add(node.args[1] if len(node.args) > 1 else node.kwargs.get("bins", 100))
+        elif node.target is aten._grouped_mm.default and _val(node).ndim == 3:
+            experts.setdefault(rid, set()).add(_val(node).shape[0])
+        elif node.target is aten._grouped_mm.default:
+            experts.setdefault(rid, set()).add(_val(node.args[1]).shape[0])
     for rid, why in invalid.items():
         if rid not in dispatch:   # a sort that is no MoE dispatch: planned as DTensor plans any sort
             continue
@@ -160,7 +185,11 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
         fact = facts.get(node)
         if fact is None or fact.region in invalid:
             continue
-        fact = TokenLocal(ids.setdefault(fact.region, len(ids)), fact.seed, fact.outputs, fact.inputs, fact.local)
+        n_experts = experts.get(fact.region, set())
+        ep = fact.region not in no_ep and len(n_experts) == 1
+        fact = TokenLocal(ids.setdefault(fact.region, len(ids)), fact.seed, fact.outputs, fact.inputs, fact.local,
+                          fact.ep_outputs if ep else None, fact.ep_inputs if ep else None,
+                          next(iter(n_experts)) if ep else 0)
         node.meta[META_KEY] = out[node] = fact
     return out
 
@@ -170,7 +199,23 @@ def _buffer_fact(buf: fx.Node, rid: int, seed: str, st) -> TokenLocal:
     for dtype and device only) stays where it is in the region, or is read as row shards."""
     (x,) = tensor_inputs(buf)
     s = st(x)
-    return TokenLocal(rid, seed, (Shard(0),), (Shard(s.axis) if isinstance(s, _Local) else Shard(0),), True)
+    fact = TokenLocal(rid, seed, (Shard(0),), (Shard(s.axis) if isinstance(s, _Local) else Shard(0),), True)
+    return _with_ep(buf, fact, [s], [None])
+
+
+def _with_ep(node: fx.Node, fact: TokenLocal, in_states: list, out_states: list) -> TokenLocal:
+    """``fact`` with its placements on an expert-parallel mesh dim: a routed row tensor there is
+    every rank's received rows, up to all the dim's rows (held as large as replicated); the
+    experts' weights are split by expert, and so are their gradients, whole per expert."""
+    moved = lambda s: isinstance(s, _Local) and s.moved  # noqa: E731
+    outs = [Replicate() if moved(s) else p for p, s in zip(fact.outputs, out_states)]
+    ins = [Replicate() if moved(s) else p for p, s in zip(fact.inputs, in_states)]
+    if node.target is aten._grouped_mm.default:
+        if isinstance(outs[0], Partial):
+            outs[0] = Shard(0)          # the weight gradient: each rank sums its experts' rows
+        elif in_states[1] is None:
+            ins[1] = Shard(0)           # the weight: each rank holds its own experts
+    return replace(fact, ep_outputs=tuple(outs), ep_inputs=tuple(ins))
 
 
 _Judged = tuple[list, TokenLocal]   # the states of a node's outputs, and its fact
@@ -185,12 +230,13 @@ class _Judge:
     seed: str
     st: Callable[[object], object]
     facts: dict
+    no_ep: dict   # region -> why it cannot run expert-parallel
 
-    def local(self, order: str, axis: int = 0, values: str = "plain", rows: int = 0) -> _Local:
-        return _Local(self.rid, order, axis, values, rows)
+    def local(self, order: str, axis: int = 0, values: str = "plain", rows: int = 0, moved: bool = False) -> _Local:
+        return _Local(self.rid, order, axis, values, rows, moved)
 
     def fact(self, outputs: tuple, inputs: tuple, runs_local: bool) -> TokenLocal:
-        return TokenLocal(self.rid, self.seed, outputs, inputs, runs_local)
+        return TokenLocal(self.rid, self.seed, outputs, inputs, runs_local, outputs, inputs)
 
 
 def _rows(a: fx.Node) -> int:
@@ -203,10 +249,10 @@ def _is_local(s, order: str | None = None, values: str | None = None, axis: int 
         and axis in (None, s.axis)
 
 
-def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict) -> _Judged:
+def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict, no_ep: dict) -> _Judged:
     """How ``node``, touching region ``rid``, keeps what its tensors mean; raises _Invalid where
     it cannot."""
-    t, j = node.target, _Judge(rid, seed, st, facts)
+    t, j = node.target, _Judge(rid, seed, st, facts, no_ep)
     if t in _BUFFERS:
         if len(node.users) != 1 or next(iter(node.users)).target is not aten.index_put.default:
             raise _Invalid("a new tensor from routed rows that is not a scatter's buffer")
@@ -261,7 +307,7 @@ def _gather(node: fx.Node, j: _Judge) -> _Judged:
     sx, si = j.st(x), j.st(idx[0])
     S0 = Shard(0)
     if sx is None and _is_local(si, "sorted", "tok") and _rows(x) == si.rows:
-        return [j.local("sorted")], j.fact((S0,), (S0, S0), True)  # gather into local order
+        return [j.local("sorted", moved=True)], j.fact((S0,), (S0, S0), True)  # gather into local order
     if _is_local(sx, "sorted", "plain", 0) and _is_local(si, "token", "pos") and _rows(x) == si.rows:
         return [None], j.fact((S0,), (S0, S0), True)   # back to token order: a shard
     raise _Invalid("a gather that is neither into local order nor back to token order")
@@ -299,7 +345,7 @@ def _scatter(node: fx.Node, j: _Judge) -> _Judged:
         else:
             raise _Invalid("scatters values that are not in local order")
     elif _is_local(si, "token", "pos") and sv is None and _rows(node) == si.rows:
-        out = j.local("sorted")  # token-order rows into local order (a gather's backward)
+        out = j.local("sorted", moved=True)  # token-order rows into local order (a gather's backward)
     else:
         raise _Invalid("a scatter by something other than the sort's permutation")
     j.facts[buf] = _buffer_fact(buf, j.rid, j.seed, j.st)
@@ -315,8 +361,10 @@ def _grouped_mm(node: fx.Node, j: _Judge) -> _Judged:
         raise _Invalid("a grouped GEMM whose offsets are not the region's counts")
     sa, sb = j.st(a), j.st(b)
     S0, R = Shard(0), Replicate()
+    if not (_is_local(sa) and sa.moved and (sb is None or (_is_local(sb) and sb.moved))):
+        j.no_ep.setdefault(j.rid, f"{node.name} multiplies rows that are not the routed tokens")
     if _is_local(sa, "sorted", axis=0) and sb is None and _val(b).ndim == 3:
-        return [j.local("sorted")], j.fact((S0,), (S0, R, R), True)
+        return [j.local("sorted", moved=True)], j.fact((S0,), (S0, R, R), True)
     if _is_local(sa, axis=1) and _is_local(sb, axis=0):
         return [None], j.fact((Partial(),), (Shard(1), S0, R), True)  # a sum over tokens
     raise _Invalid("a grouped GEMM over rows that are not the region's")
@@ -342,10 +390,13 @@ def _row_wise(node: fx.Node, ins: list, mesh1, j: _Judge) -> _Judged:
     vals = _val(node) if isinstance(_val(node), (tuple, list)) else (_val(node),)
     if len(n) != 1 or any(isinstance(o, Shard) and v.shape[o.dim] not in n for o, v in zip(outs, vals)):
         raise _Invalid("merges or splits the region's rows")
+    moved = {s.moved for s in states if isinstance(s, _Local)}
+    if len(moved) > 1:
+        j.no_ep.setdefault(j.rid, f"{node.name} mixes routed rows with the sorted expert ids")
     result = []
     for o in outs:
         if isinstance(o, Shard):
-            result.append(j.local(next(iter(orders)), o.dim))
+            result.append(j.local(next(iter(orders)), o.dim, moved=True in moved))
         elif isinstance(o, Partial) and o.reduce_op == "sum":
             result.append(None)                  # a sum over tokens: order does not matter
         elif o is None:
@@ -361,17 +412,69 @@ def _on(placements, d):
 
 def split_dims(fact: TokenLocal, strategy) -> frozenset[int]:
     """The mesh dims on which ``strategy`` splits the region's tokens (its tensors take
-    ``fact``'s placements there)."""
+    ``fact``'s placements there, or its expert-parallel ones on its expert-parallel dim)."""
     ndim = next(len(p) for p in (*strategy.outputs, *strategy.inputs) if p is not None)
+    ep = ep_dim(strategy)
     return frozenset(d for d in range(ndim)
                      if all(want is None or _on(got, d) == want
-                            for want, got in zip((*fact.outputs, *fact.inputs), (*strategy.outputs, *strategy.inputs))))
+                            for want, got in zip((*fact.outputs, *fact.inputs), (*strategy.outputs, *strategy.inputs)))
+                     or d == ep)
+
+
+# ops that wait on the rank receiving the most rows: its grouped GEMMs, and the exchanges
+_WAIT_ON_BUSIEST = (aten._grouped_mm.default, aten.index.Tensor, aten.index_put.default, aten.histc.default)
+EP = "ep"   # the variant of an expert-parallel strategy: "ep" and its mesh dim, e.g. "ep1"
+
+
+def ep_dim(strategy) -> int | None:
+    """The mesh dim over which ``strategy`` runs its region expert-parallel, if it does."""
+    v = strategy.variant
+    return int(v[len(EP):]) if v.startswith(EP) and v[len(EP):].isdigit() else None
+
+
+def ep_member(node: fx.Node) -> bool:
+    """Whether ``node`` runs otherwise when its region is expert-parallel: it holds routed rows
+    or expert weights there, moves them (a gather or scatter between the two orders), or counts
+    the rows each rank receives (the counts)."""
+    fact = node.meta.get(META_KEY)
+    return (fact is not None and fact.experts > 0
+            and (node.target is aten.histc.default or (fact.ep_outputs, fact.ep_inputs) != (fact.outputs, fact.inputs)))
+
+
+def ep_strategies(node: fx.Node, fact: TokenLocal, mesh_shape: tuple[int, ...],
+                  imbalance: float = 1.0) -> list[tuple[tuple, tuple, float, str]]:
+    """(outputs, inputs, imbalance, variant) of ``node`` running its region expert-parallel over
+    one mesh dim, its tokens split there and over any other dims (replicated on the rest); empty
+    where the node runs alike either way. ``imbalance``: the busiest rank's received rows over an
+    even share (its grouped GEMMs wait on it)."""
+    if not ep_member(node):
+        return []
+    rep, ndim = Replicate(), len(mesh_shape)
+    out = []
+    for d in range(ndim):
+        if fact.experts % mesh_shape[d] or mesh_shape[d] == 1:
+            continue
+        for mask in range(1, 2 ** ndim):
+            if not mask >> d & 1:
+                continue
+
+            def pl(token, ep):
+                if token is None:
+                    return None
+                return tuple(ep if e == d else token if mask >> e & 1 else rep for e in range(ndim))
+            outs = tuple(map(pl, fact.outputs, fact.ep_outputs))
+            ins = tuple(map(pl, fact.inputs, fact.ep_inputs))
+            # at most every rank's rows: min(imbalance, ranks)
+            busiest = min(imbalance, mesh_shape[d]) if node.target in _WAIT_ON_BUSIEST else 1.0
+            out.append((outs, ins, busiest, f"{EP}{d}"))
+    return out
 
 
 def untied(choice: dict) -> str | None:
     """Why ``choice`` (node -> Strategy) cannot run: a region whose members split tokens on
     different mesh dims (the solver's plans never do; an edited plan file may)."""
     first: dict[int, tuple[str, frozenset]] = {}
+    first_ep: dict[int, tuple[str, int | None]] = {}
     for node, s in choice.items():
         fact = node.meta.get(META_KEY)
         if fact is None or fact.neutral:
@@ -381,6 +484,11 @@ def untied(choice: dict) -> str | None:
         if dims != want:
             return (f"{name} splits the tokens of the MoE dispatch sorted at {fact.seed} on mesh dims {sorted(want)}, "
                     f"{node.name} on {sorted(dims)}; a region's ops must split alike")
+        if ep_member(node):
+            name, want = first_ep.setdefault(fact.region, (node.name, ep_dim(s)))
+            if ep_dim(s) != want:
+                return (f"{name} runs the experts of the MoE dispatch sorted at {fact.seed} expert-parallel on "
+                        f"mesh dim {want}, {node.name} on {ep_dim(s)}; a region's ops must run alike")
     return None
 
 

@@ -43,7 +43,7 @@ from autoshard import _torch
 from autoshard.collectives import local_shape, to_placements
 from autoshard.passes.annotate import feeds_only_grads, phases
 from autoshard.passes.graph import META_KEY, Strategy, tensor_inputs
-from autoshard.passes.regions import runs_locally
+from autoshard.passes.regions import META_KEY as REGION_KEY, ep_dim, runs_locally
 from autoshard.passes import rules
 
 ORIGIN = "autoshard.node"   # meta["custom"] key: the joint-graph node a local node implements
@@ -81,7 +81,11 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
     elif node.target in _SIZED:
         i = _SIZED[node.target]
         args = (*args[:i], list(local[0]), *args[i + 1:])
-    if node.target in rules.LOCAL:
+    if ep_dim(strategy) is not None:
+        seed = node.meta[REGION_KEY].seed
+        ids = next(v for n, v in env.items() if n.name == seed)[0].to_local()   # the region's sorted expert ids
+        out = rules.experts.run(node, args, kwargs, ep_dim(strategy), mesh, ids)
+    elif node.target in rules.LOCAL:
         out = rules.LOCAL[node.target](node, args, kwargs, strategy, mesh)
     else:
         out = node.target(*args, **kwargs)
@@ -92,7 +96,10 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
 
 
 def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=None):
-    if runs_locally(node, strategy) or node.target in rules.LOCAL:
+    # an op planned replicated for lack of a rule: DTensor would refuse it too, so each rank runs
+    # it on its whole inputs
+    no_rule = node.meta[META_KEY].fallback is not None
+    if runs_locally(node, strategy) or node.target in rules.LOCAL or no_rule:
         return _run_local(node, env, strategy, mesh, reduce_dtype)
     inputs = iter(strategy.inputs)
 

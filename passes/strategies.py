@@ -31,12 +31,13 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch
-from autoshard.errors import NoShardingRuleError
+from autoshard.errors import ConstraintError, NoShardingRuleError
 from autoshard.passes import rules  # registers autoshard's own rules with DTensor's registry
 from autoshard.passes.dtensor_rules import even, rule_placements
 from autoshard.passes.graph import (  # the fact types stay importable from the pass that makes them
     META_KEY, NodeStrategies, Placements, Strategy, args_key, picked_output, tensor_inputs, tensor_vals)
-from autoshard.passes.regions import META_KEY as REGION_KEY, find_regions, holds_table, token_local_strategies
+from autoshard.passes.regions import (META_KEY as REGION_KEY, ep_strategies, find_regions, holds_table,
+                                      token_local_strategies)
 
 
 def _shards(s_out, s_in, mesh_shape) -> int:
@@ -113,24 +114,29 @@ def _replicated(node: fx.Node, rep: Placements) -> Strategy:
     return Strategy(tuple(rep for _ in range(n_out)), tuple(rep for _ in tensor_inputs(node)), 1)
 
 
-def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dict | None = None) -> list[tuple[str, str]]:
+def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dict | None = None,
+                    moe_imbalance: float = 1.0) -> list[tuple[str, str]]:
     """Fill ``node.meta["autoshard.strategies"]``; returns the (node, reason) fallbacks.
 
     ``memo`` (a dict kept with the graph: ``TracedModel.strategy_memo``) holds each mesh shape's
     result, so planning the same graph again on a mesh of that shape (a baseline, another logical
     mesh, another memory cap) does not enumerate again: strategies depend on the mesh's shape only."""
+    if not (isinstance(moe_imbalance, (int, float)) and moe_imbalance >= 1.0):
+        raise ConstraintError(f"moe_imbalance is the busiest expert-parallel rank's received rows over an even "
+                              f"share: a number >= 1.0, not {moe_imbalance!r}")
     mesh_shape = tuple(mesh.shape)
-    if memo is not None and mesh_shape in memo:
-        found, fallbacks = memo[mesh_shape]
+    key = mesh_shape if moe_imbalance == 1.0 else (mesh_shape, float(moe_imbalance))
+    if memo is not None and key in memo:
+        found, fallbacks = memo[key]
         for node, ns in found.items():
             node.meta[META_KEY] = ns
     else:
         with _torch.unpriced_strategies():
-            fallbacks = _enumerate_graph(gm, mesh, mesh_shape)
+            fallbacks = _enumerate_graph(gm, mesh, mesh_shape, moe_imbalance)
         if memo is not None:
             while len(memo) >= MEMO_SHAPES:
                 memo.pop(next(iter(memo)))
-            memo[mesh_shape] = ({n: n.meta[META_KEY] for n in gm.graph.nodes if META_KEY in n.meta}, fallbacks)
+            memo[key] = ({n: n.meta[META_KEY] for n in gm.graph.nodes if META_KEY in n.meta}, fallbacks)
     if strict and fallbacks:
         name, reason = fallbacks[0]
         raise NoShardingRuleError(f"node {name}: {reason}. Register a rule with "
@@ -144,7 +150,7 @@ def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dic
 MEMO_SHAPES = 8   # mesh shapes a memo keeps (a plan over logical meshes tries a handful)
 
 
-def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, str]]:
+def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape, moe_imbalance: float = 1.0) -> list[tuple[str, str]]:
     find_regions(gm)
     rep = tuple([Replicate()] * mesh.ndim)
     cache: dict = {}
@@ -183,6 +189,10 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape) -> list[tuple[str, st
             # a token-local region's ops also run on each rank's own tokens (passes/regions.py)
             extra = [Strategy(outs, ins, _shards(outs, ins, mesh_shape))
                      for outs, ins in token_local_strategies(fact, mesh.ndim) if _keep(node, outs, ins, mesh_shape)]
+            # ... or expert-parallel: each rank holds some experts and receives their rows
+            extra += [Strategy(outs, ins, _shards(outs, ins, mesh_shape), imbalance, variant)
+                      for outs, ins, imbalance, variant in ep_strategies(node, fact, mesh_shape, moe_imbalance)
+                      if _keep(node, outs, ins, mesh_shape)]
             strategies = sorted(dict.fromkeys([*strategies, *extra]), key=str)
             if extra:
                 reason = None

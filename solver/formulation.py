@@ -62,7 +62,7 @@ from autoshard.errors import ConstraintError
 from autoshard.notation import parse_placements
 from autoshard.passes.annotate import META_KEY as COST_KEY, feeds_only_grads, is_free, tensor_bytes
 from autoshard.passes.coarsen import FOLLOW_KEY, LAYER_KEY
-from autoshard.passes.regions import META_KEY as REGION_KEY, split_dims
+from autoshard.passes.regions import META_KEY as REGION_KEY, ep_dim, ep_member, split_dims
 from autoshard.passes.graph import META_KEY, per_strategy_list, tensor_inputs, value_of
 
 
@@ -358,6 +358,11 @@ def _token_local_ties(problem: Problem, ndim: int) -> list:
             ties.append([(v, tuple(s for s in problem.allowed[v]
                                    if d in split_dims(v.meta[REGION_KEY], v.meta[META_KEY].strategies[s])))
                          for v in members])
+            # expert-parallel over d: the members that run otherwise then, all or none
+            ep = [(v, tuple(s for s in problem.allowed[v] if ep_dim(v.meta[META_KEY].strategies[s]) == d))
+                  for v in members if ep_member(v)]
+            if any(allowed for _, allowed in ep):
+                ties.append(ep)
     return ties
 
 

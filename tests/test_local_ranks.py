@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import Replicate
 
 import autoshard
@@ -236,3 +237,36 @@ def test_transformers_mamba_plans_without_fallbacks_and_trains_like_one_device()
     batches = [(ids, ids) for ids in torch.randint(0, 128, (2, 4, 16))]
     plan = _split_and_trains_like_one_device(LM(), batches)
     assert any(n.op == "aten.softplus_backward.default" for n in plan.nodes)
+
+
+class _Renormed(nn.Module):
+    """A weight renormed per row (``torch.renorm``: no DTensor rule on any supported release)
+    between two sharded matmuls."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 8))
+        self.v = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x, y):
+        return ((torch.tanh(x @ torch.renorm(self.w, 2, 0, 1.0)) @ self.v - y) ** 2).mean()
+
+
+def test_an_op_without_a_rule_runs_whole_on_every_rank():
+    """An op planned replicated for lack of a rule (reported as a fallback) runs on each rank's
+    whole inputs: DTensor refuses to dispatch an op without a rule even on replicated tensors, so
+    compile failed before. The ops around it still split (the sharding cluster splits all it can)."""
+    from zoo_cases import sharding_cluster
+
+    torch.manual_seed(0)
+    model = _Renormed()
+    batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(STEPS)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autoshard.plan(model, sharding_cluster((2,)), batches[0])
+    assert [name for name, _ in plan.fallbacks] == ["renorm"], plan.fallbacks
+    assert any("renorm planned replicated" in str(w.message) for w in caught)
+    assert "(S(0))" in plan.inputs, plan.inputs
+    sim, ref = simulate.run_ranks(model, plan, batches), simulate.single_device(model, batches)
+    assert max(abs(a - b) for a, b in zip(sim.losses, ref.losses)) < LOSS_ATOL, (sim.losses, ref.losses)
+    assert max((sim.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < PARAM_ATOL

@@ -20,6 +20,12 @@ dropped):
 * ``fsdp_cp``: (fsdp, cp) on (W/c, c), context-parallel degree c a divisor of G, c > 1, or
   c = W across nodes: the sequence split, attention by its queries' sequence with keys and values
   gathered, parameters sharded over all W and gathered per use (torchtitan's FSDP x CP).
+* ``fsdp_ep``: (fsdp, ep) on the grids of fsdp_cp, the expert-parallel degree e in place of c:
+  every MoE region expert-parallel over the ep dim (each rank holds E/e experts and receives
+  their rows by all-to-all), the experts FSDP-sharded over the fsdp dim as well, every other
+  parameter FSDP over both dims (torchtitan's layout for MoE models: its "efsdp x ep" mesh for
+  the experts, FSDP over every rank for the rest). A grid whose ep dim does not divide the
+  experts has no plan.
 * ``axonn_4d``: (dp, fsdp, tp, tp) on (data, z, y, x) with x * y = G split near-square (x >= y,
   x inner, G >= 4), and z in {N, 1} (data = N/z): AxoNN's 3-D tensor grid (weights as 2-D blocks over
   x, y and sharded further over z, gathered before use), data parallel outside; on one node of
@@ -104,6 +110,7 @@ BASELINES: dict[str, Baseline] = {b.name: b for b in (
     Baseline("tp_fsdp", ("fsdp", "tp"), _tp),
     Baseline("axonn_4d", ("dp", "fsdp", "tp", "tp"), _axonn),
     Baseline("fsdp_cp", ("fsdp", "cp"), _cp),
+    Baseline("fsdp_ep", ("fsdp", "ep"), _cp),
 )}
 _AXONN_NAMES = ("data", "z", "y", "x")
 

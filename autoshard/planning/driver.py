@@ -62,7 +62,7 @@ def accumulation(k) -> dict:
 
 
 def prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mixed_precision=None,
-             progress: Progress | None = None, device=None):
+             progress: Progress | None = None, device=None, moe_imbalance: float = 1.0):
     progress = progress or Progress(False)
     if isinstance(model_or_traced, TracedModel):
         traced = model_or_traced
@@ -74,7 +74,8 @@ def prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mix
             traced = trace(model_or_traced, example_inputs, mixed_precision=mixed_precision, device=device)
     mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
     with progress.stage("strategies"):
-        fallbacks = find_strategies(traced.gm, mesh, strict=strict, memo=traced.strategy_memo)
+        fallbacks = find_strategies(traced.gm, mesh, strict=strict, memo=traced.strategy_memo,
+                                    moe_imbalance=moe_imbalance)
         gaps = report_gaps(coverage_gaps(traced.gm, tuple(cluster.mesh_shape)), strict=strict)
     return traced, fallbacks, gaps
 

@@ -16,12 +16,16 @@ tp         Shard(any) if >= 2-D, else   Shard(any) if >= 2-D (colwise or    Repl
                                         any
 data       Replicate or Shard(any)      Replicate                           Shard(0) (batch)
 cp         Shard(any dim)               Replicate (all-gathered per use)    Shard(1) (sequence)
+ep         Shard(any dim)               Replicate, but experts Shard(0)     Shard(0) (batch)
 free       any                          any                                 any
 =========  ===========================  ==================================  =====================
 
 "cp" is context parallelism as torchtitan runs it beside FSDP: the sequence is split, every
 attention op splits its queries' sequence on that dim (keys and values gathered), and parameters
-are stored sharded over it too and gathered per use, like fsdp's. "data" is dp or fsdp, per
+are stored sharded over it too and gathered per use, like fsdp's. "ep" is expert parallelism as
+torchtitan runs it beside FSDP: every MoE region runs expert-parallel on that dim (each rank
+holds its share of the experts, whole, and receives their rows by all-to-all), and every other
+parameter is stored and gathered as fsdp's. "data" is dp or fsdp, per
 parameter, as the solver likes; "free" leaves a dim to the solver (the
 pruned 3-D candidates of :mod:`autoshard.planning.meshes` use ("data", "free", "free")). On dp, fsdp and
 data dims an op's outputs are split along the batch (dim 0) or not at all (Replicate, Partial):
@@ -43,6 +47,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard.passes.annotate import is_free
 from autoshard.passes.rules import attention
 from autoshard.passes.graph import META_KEY, tensor_inputs, value_of
+from autoshard.passes.regions import ep_dim, ep_member
 from autoshard.passes.trace import TracedModel
 
 
@@ -57,7 +62,7 @@ def _stored_ok(role: str, p, nd: int) -> bool:
 def _consumed_ok(role: str, p, nd: int) -> bool:
     if role == "free":
         return True
-    if role in ("dp", "fsdp", "data", "cp"):
+    if role in ("dp", "fsdp", "data", "cp", "ep"):
         return isinstance(p, Replicate)
     return nd < 2 or isinstance(p, Shard)
 
@@ -67,7 +72,7 @@ def _input_ok(role: str, p) -> bool:
         return True
     if role == "cp":
         return isinstance(p, Shard) and p.dim == 1
-    return isinstance(p, Shard) and p.dim == 0 if role in ("dp", "fsdp", "data") else isinstance(p, Replicate)
+    return isinstance(p, Shard) and p.dim == 0 if role in ("dp", "fsdp", "data", "ep") else isinstance(p, Replicate)
 
 
 def _batch_ok(role: str, p, grid: bool) -> bool:
@@ -119,14 +124,20 @@ def allow_for(traced: TracedModel, roles: tuple[str, ...]):
         if attention.is_attention(node) and any(
                 r == "cp" and attention.sequence_mesh_dim(node, s) != d for d, r in enumerate(roles)):
             return False
+        # expert parallelism on the ep dim, and only there (or on a free dim)
+        if ep_member(node) and (any(r == "ep" and ep_dim(s) != d for d, r in enumerate(roles))
+                                or (ep_dim(s) is not None and roles[ep_dim(s)] not in ("ep", "free"))):
+            return False
         if not is_free(node) and not all(_batch_ok(r, p[d], grid) for d, r in enumerate(roles)
                                          for p in s.outputs if p is not None):
             return False
+        # an expert-parallel op reads its experts split by expert on its ep dim
+        node_roles = [("free" if r == "ep" and ep_dim(s) == d else r) for d, r in enumerate(roles)]
         for i, arg in enumerate(tensor_inputs(node)):
             src = value_of(arg)[0]
             if src in root and s.inputs[i] is not None:
                 nd = params[root[src]]
-                if not all(relax(_consumed_ok(r, p, nd), p) for r, p in zip(roles, s.inputs[i])):
+                if not all(relax(_consumed_ok(r, p, nd), p) for r, p in zip(node_roles, s.inputs[i])):
                     return False
                 if strict and not _block_ok(roles, s.inputs[i], nd):
                     return False

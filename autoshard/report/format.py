@@ -97,12 +97,15 @@ def per_dim(plan, strategy: str) -> list[str]:
         return [strategy] + [""] * (ndim - 1)
     ins, outs = parsed
     cells = [(_runs([p[d] for p in ins]) + " -> " + _runs([p[d] for p in outs])).strip() for d in range(ndim)]
-    # how the op runs them (words after the placements: "balanced ring"), on the mesh dims that
-    # split the rows' sequence (dim 2 of attention's row tensors: only attention has variants),
-    # else the last
-    variant = re.search(r"\)((?: [a-z]+)+)$", strategy)
+    # how the op runs them (words after the placements): an MoE op expert-parallel over mesh dim
+    # d ("ep1"), on that dim; attention's ("balanced ring") on the mesh dims that split the rows'
+    # sequence (dim 2 of attention's row tensors), else the last
+    variant = re.search(r"\)((?: [a-z]+\d*)+)$", strategy)
     if variant is None:
         return cells
+    ep = re.fullmatch(r" ep(\d+)", variant.group(1))
+    if ep is not None:
+        return [f"{c} (ep)" if d == int(ep.group(1)) else c for d, c in enumerate(cells)]
     marked = [d for d in range(ndim) if ins and ins[0][d] == "S(2)"]
     return [f"{c} ({variant.group(1).strip()})" if d in (marked or [ndim - 1]) else c for d, c in enumerate(cells)]
 

@@ -147,6 +147,28 @@ def mixtral_config(size: str, experts_implementation: str = "batched_mm"):
                    experts_implementation=experts_implementation)
 
 
+def deepseek_v3_config(size: str):
+    """A fine-grained MoE: DeepSeek-V3's architecture (multi-head latent attention, sigmoid routing
+    with a bias, group-limited top-k, shared experts, dense first layers), experts as grouped
+    GEMMs. Not in :data:`BUILDERS` (its grouped GEMMs trace in bfloat16 only): build it with
+    ``transformers.DeepseekV3ForCausalLM(deepseek_v3_config(size)).to(torch.bfloat16)``."""
+    sizes = {
+        "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                     n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                     max_position_embeddings=16),
+        # 16B, 64 small experts (Moonlight-16B-A3B's published sizes): 2 shared, 6 routed per token
+        "16b": dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                    num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+                    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+                    q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                    v_head_dim=128, max_position_embeddings=8192, routed_scaling_factor=2.446),
+    }
+    return _config(transformers.DeepseekV3Config, **sizes[size], bos_token_id=0, eos_token_id=0,
+                   experts_implementation="grouped_mm")
+
+
 BUILDERS = {
     # name: (config function, wrapper, model class name, sizes (first is "tiny", second is "real"))
     "hf_gpt2": (gpt2_config, CausalLM, "GPT2LMHeadModel", ("tiny", "124m", "1.5b")),

@@ -5,7 +5,7 @@ so planning (passes/dtensor_rules.py) and execution (DTensor at run time) see th
 """
 
 from autoshard.passes.rules import (  # noqa: F401
-    attention, conv, grouped_mm, index, layer_norm, norm_pool, pad, pointwise, scatter)
+    attention, conv, experts, grouped_mm, index, layer_norm, norm_pool, pad, pointwise, scatter)
 
 # op -> (node, local args, kwargs, strategy, mesh) -> its local outputs: ops the rewriter runs on
 # local shards itself rather than through DTensor's dispatch (passes/rewrite.py)
@@ -15,7 +15,7 @@ LOCAL = {**conv.LOCAL, **attention.LOCAL}
 EXTRA = {**attention.EXTRA}
 # op -> (cluster, node, strategy, its compute seconds) -> seconds that the collectives the op runs
 # inside, under that strategy, add to its compute (autoshard/cluster/costmodel.py)
-INLINE_COMM = {**attention.INLINE_COMM}
+INLINE_COMM = {**attention.INLINE_COMM, **experts.INLINE_COMM}
 # op -> (node, strategy, mesh shape) -> bytes the op holds beyond its inputs and outputs under that
 # strategy, in its working set (solver/memory.py)
 HELD = {**attention.HELD}

@@ -42,6 +42,10 @@ ACTIVATIONS = [aten.softplus.default, aten.softplus_backward.default, aten.elu.d
                aten.mish.default, aten.mish_backward.default, aten.softshrink.default,
                aten.softshrink_backward.default, aten.hardshrink.default, aten.hardshrink_backward.default,
                aten.logit_backward.default]
-ADDED = [op for op in ACTIVATIONS if not _torch.has_sharding_rule(op)]
+# ``copy(dst, src)``: src's values in dst's shape and dtype, elementwise where the shapes match.
+# Functionalization writes an in-place slice copy so (DeepSeek-V3's attention assembles its keys
+# with ``new_empty(...)[..., :d].copy_(k)``); without a rule the keys were gathered on every rank.
+COPIES = [aten.copy.default]
+ADDED = [op for op in ACTIVATIONS + COPIES if not _torch.has_sharding_rule(op)]
 for _op in ADDED:
     _torch.register_single_dim_strategy(_op)(_same_dim_rule)

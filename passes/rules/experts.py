@@ -1,0 +1,186 @@
+"""Expert parallelism: a token-local MoE region (passes/regions.py) whose experts are split over a
+mesh dim, each rank holding ``experts / ep`` whole experts and computing their rows for every rank.
+
+Under a strategy of variant ``ep<d>`` (``regions.ep_strategies``), the region's ops run locally as
+in the token-local region, except:
+
+* a gather or scatter that puts routed rows into the rank's sorted order **dispatches** them: an
+  all-to-all sends each row to the rank holding its expert (:func:`moe_dispatch`);
+* one that takes routed rows back to token order **combines** them first: the reverse all-to-all
+  (:func:`moe_combine`);
+* the counts (``histc``) become the rows each local expert receives from every rank
+  (:func:`moe_counts`), so the grouped GEMMs' offsets walk the received rows;
+* the grouped GEMMs multiply the received rows by the rank's own experts; the weight gradients
+  come out whole per expert (``Shard(0)`` over the dim) instead of as partial sums.
+
+Each of these ops first exchanges the per-expert counts (an all-to-all of ``experts`` integers)
+and reads the split sizes on the host: that read waits for the device, the sync that dropless
+expert-parallel runs pay once per exchange (``.tolist()`` in :func:`_splits`). The received rows
+are laid out expert-major (expert, source rank, row) at the front of a buffer as large as every
+rank's rows together, so no routing can overflow it; the rows past the received ones are zero.
+A rank therefore holds the dim's routed rows whole, as if replicated, which is how the planner
+counts them.
+
+Prices (:func:`exchange_time`): each exchange is the counts' all-to-all, the host sync
+(:data:`HOST_SYNC_S`) and the rows' all-to-all over the dim's links, the busiest receiver taking
+``imbalance`` times an even share (``Strategy.imbalance``); the grouped GEMMs take that share of
+the experts' work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard import _torch
+from autoshard.passes.graph import tensor_inputs
+from autoshard.passes.regions import ep_dim
+
+aten = torch.ops.aten
+
+# Seconds a read of split sizes on the host costs beyond its transfer: the launch queue drains and
+# refills (tens of microseconds on a GPU; nothing overlaps it)
+HOST_SYNC_S = 30e-6
+
+MOVES = (aten.index.Tensor, aten.index_put.default)   # the ops that move rows between the orders
+COUNTS = aten.histc.default
+GROUPED_MM = aten._grouped_mm.default
+
+
+def _local_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    return torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, ids.reshape(-1).long(), torch.ones(ids.numel(), dtype=torch.int64, device=ids.device))
+
+
+def _splits(ids: torch.Tensor, experts: int, ranks: int, group: str) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(received counts [source rank, local expert], rows sent to each rank, rows received from
+    each rank): the counts' all-to-all, then the host read of the sizes."""
+    sent = _local_counts(ids, experts).view(ranks, experts // ranks)
+    received = _torch.wait(_torch.all_to_all_async(sent.reshape(-1), [experts // ranks] * ranks,
+                                                   [experts // ranks] * ranks, group)).view(ranks, -1)
+    return received, sent.sum(1).tolist(), received.sum(1).tolist()
+
+
+def _expert_major(received: torch.Tensor, n: int) -> torch.Tensor:
+    """Index that reorders ``n`` rows arriving (source, expert, row) into (expert, source, row)
+    (``n`` from the host, so that nothing here waits for the device again)."""
+    lens = received.reshape(-1)
+    starts = torch.cumsum(lens, 0) - lens                       # each (source, expert) block's start
+    blocks = received.t().reshape(-1)                           # block lengths in (expert, source) order
+    first = torch.cumsum(blocks, 0) - blocks                    # ... and their starts in that order
+    starts = starts.view(received.shape).t().reshape(-1)
+    return (torch.repeat_interleave(starts - first, blocks, output_size=n)
+            + torch.arange(n, device=received.device))
+
+
+@torch.library.custom_op("autoshard::moe_dispatch", mutates_args=())
+def moe_dispatch(rows: torch.Tensor, ids: torch.Tensor, experts: int, ranks: int, group: str) -> torch.Tensor:
+    """This rank's routed ``rows`` (sorted by expert, ``ids`` their experts) -> the rows its own
+    experts receive from every rank, expert-major, zero-padded to ``ranks`` x its rows."""
+    received, sent, got = _splits(ids, experts, ranks, group)
+    arrived = _torch.wait(_torch.all_to_all_async(rows.contiguous(), got, sent, group))
+    out = rows.new_zeros((ranks * rows.shape[0], *rows.shape[1:]))
+    out[:arrived.shape[0]] = arrived[_expert_major(received, arrived.shape[0])]
+    return out
+
+
+@moe_dispatch.register_fake
+def _(rows, ids, experts, ranks, group):
+    return rows.new_empty((ranks * rows.shape[0], *rows.shape[1:]))
+
+
+@torch.library.custom_op("autoshard::moe_combine", mutates_args=())
+def moe_combine(rows: torch.Tensor, ids: torch.Tensor, experts: int, ranks: int, group: str) -> torch.Tensor:
+    """The inverse of :func:`moe_dispatch`: rows computed for the received ones go back to the
+    ranks they came from, in each rank's own sorted order."""
+    received, sent, got = _splits(ids, experts, ranks, group)
+    n = sum(got)
+    arrived = torch.empty_like(rows[:n])
+    arrived[_expert_major(received, n)] = rows[:n]
+    return _torch.wait(_torch.all_to_all_async(arrived.contiguous(), sent, got, group))
+
+
+@moe_combine.register_fake
+def _(rows, ids, experts, ranks, group):
+    return rows.new_empty((ids.shape[0], *rows.shape[1:]))
+
+
+@torch.library.custom_op("autoshard::moe_counts", mutates_args=())
+def moe_counts(ids: torch.Tensor, experts: int, ranks: int, group: str) -> torch.Tensor:
+    """Rows each of this rank's experts receives, from all ranks together."""
+    received, _, _ = _splits(ids, experts, ranks, group)
+    return received.sum(0)
+
+
+@moe_counts.register_fake
+def _(ids, experts, ranks, group):
+    return ids.new_empty((experts // ranks,), dtype=torch.int64)
+
+
+def _moved(token, ep) -> bool:
+    """A routed-rows tensor: split like the tokens in a token-local run, received rows here."""
+    return isinstance(token, Shard) and isinstance(ep, Replicate)
+
+
+def run(node: fx.Node, args: tuple, kwargs: dict, d: int, mesh, ids: torch.Tensor):
+    """``node``'s local outputs when its region runs expert-parallel over mesh dim ``d``; ``args``
+    are its local inputs, ``ids`` this rank's sorted expert ids (the region's sort)."""
+    fact = node.meta["autoshard.region"]
+    exchange = dict(ids=ids, experts=fact.experts, ranks=mesh.shape[d], group=mesh.get_group(d).group_name)
+    if node.target is COUNTS:
+        return torch.ops.autoshard.moe_counts(**exchange).to(node.meta["val"].dtype)
+    if node.target is GROUPED_MM:
+        out = node.target(*args, **kwargs)
+        if out.ndim == 2:   # rows past the received ones: zeros, as the dispatch pads them
+            offs = args[2] if len(args) > 2 else kwargs["offs"]
+            keep = torch.arange(out.shape[0], device=out.device) < offs[-1]
+            out = torch.where(keep.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
+    if node.target not in MOVES:
+        return node.target(*args, **kwargs)
+    moved_in = [_moved(t, e) for t, e in zip(fact.inputs, fact.ep_inputs)]
+    it = iter(moved_in)
+    combine = lambda t: torch.ops.autoshard.moe_combine(t, **exchange) if next(it) else t  # noqa: E731
+    args = _torch.tree_map_only(torch.Tensor, combine, args)
+    kwargs = _torch.tree_map_only(torch.Tensor, combine, kwargs)
+    out = node.target(*args, **kwargs)
+    if _moved(fact.outputs[0], fact.ep_outputs[0]):
+        out = torch.ops.autoshard.moe_dispatch(out, **exchange)
+    return out
+
+
+def exchange_time(cluster, node, strategy, compute: float) -> float:
+    """Seconds the exchanges of ``node`` add under an expert-parallel ``strategy`` (module doc)."""
+    d = ep_dim(strategy)
+    fact = node.meta.get("autoshard.region")
+    if d is None or fact is None:
+        return 0.0
+    counts = cluster.collective_time("all_to_all", fact.experts * 8, d) + HOST_SYNC_S
+    if node.target is COUNTS:
+        return counts
+    if node.target not in MOVES:
+        return 0.0
+    vals = [a.meta["val"] for a in tensor_inputs(node)]
+    moved = [v for v, t, e in zip(vals, fact.inputs, fact.ep_inputs) if _moved(t, e)]
+    if _moved(fact.outputs[0], fact.ep_outputs[0]):
+        moved.append(node.meta["val"])
+    time = 0.0
+    for v in moved:
+        # the rank's own rows (split like the tokens on every dim): moved, the busiest receiver
+        # taking ``imbalance`` times its share
+        own = v.numel() * v.element_size() / _token_shards(strategy, cluster.mesh_shape)
+        time += counts + cluster.collective_time("all_to_all", own * strategy.imbalance, d)
+    return time
+
+
+def _token_shards(strategy, mesh_shape) -> int:
+    """Ranks the routed rows are split over: every mesh dim the strategy splits the tokens on."""
+    n = 1
+    for dim, m in enumerate(mesh_shape):
+        if any(p is not None and isinstance(p[dim], Shard) for p in strategy.inputs):
+            n *= m
+    return n
+
+
+INLINE_COMM = {t: exchange_time for t in (*MOVES, COUNTS)}

@@ -1,0 +1,231 @@
+"""Expert parallelism (passes/rules/experts.py): MoE regions whose experts split over a mesh dim.
+
+Numerics on real gloo processes against the single-device step (tests/expert_cases.py), with
+routing even and skewed on purpose; the placements, strategies and prices against hand counts;
+the ILP's tie; and an edited plan that mixes the two ways is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autoshard
+import expert_cases as ec
+from autoshard.cluster import costmodel
+from autoshard.errors import PlanMismatchError
+from autoshard.passes.graph import META_KEY
+from autoshard.passes.regions import META_KEY as REGION_KEY, ep_dim, ep_member, find_regions, split_dims
+from autoshard.passes.rules import experts
+from autoshard.passes.strategies import find_strategies
+from autoshard.runtime.launch import run_local
+from zoo_cases import sharding_cluster
+
+aten = torch.ops.aten
+BF16_STEP = 2 ** -8
+
+
+def _assert_close(r: dict) -> None:
+    """bf16 (torch traces grouped GEMMs in bfloat16 only): the bounds of the token-local Mixtral
+    test (tests/test_zoo.py), scaled by this model's largest gradient. A wrong exchange errs by
+    far more: received rows left in (source, expert) order instead of expert-major gave a
+    gradient error of 1.6e-2 under even routing, 9x the bound (1.8e-3); the measured error is
+    2.4e-4."""
+    assert "error" not in r, r.get("error")
+    assert r["loss"] <= 2 * 2 ** -5 and r["grad"] <= 4 * BF16_STEP * r["grad_scale"] and r["param"] < 1e-2, r
+
+
+CASES_2 = {"even": ((2,), 0, "even"), "skewed": ((2,), 0, "skewed"),
+           "deepseek_v3-even": ((2,), 0, "even", "deepseek_v3")}
+CASES_4 = {"ep4-skewed": ((4,), 0, "skewed"), "data_x_ep-skewed": ((2, 2), 1, "skewed"),
+           "data_x_ep-even": ((2, 2), 1, "even")}
+
+
+@pytest.fixture(scope="module")
+def results_2():
+    return run_local(ec.run_cases, 2, CASES_2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    return run_local(ec.run_cases, 4, CASES_4, timeout=900)
+
+
+def _check(results, name):
+    for rank, res in enumerate(results):
+        r = res[name]
+        _assert_close(r)
+        # every member of both MoE layers ran expert-parallel, and each layer exchanged its rows:
+        # forward, the hidden states and routing weights out and the output back; backward, the
+        # output's gradient out and the two input gradients back (DeepSeek-V3's first layer is dense)
+        assert r["ep_nodes"] > 0 and r["exchanges"] == {"fwd": 6, "bwd": 6}, (rank, r)
+        if name.endswith("skewed"):
+            # every token's first choice is expert 0: it receives half the routed rows (top-2)
+            assert r["loads"][0] == pytest.approx(0.5), r["loads"]
+        elif r["loads"] is not None:
+            assert max(r["loads"]) < 0.4, r["loads"]
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("name", list(CASES_2))
+def test_expert_parallel_trains_like_one_device_on_2_ranks(results_2, name):
+    _check(results_2, name)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("name", list(CASES_4))
+def test_expert_parallel_trains_like_one_device_on_4_ranks(results_4, name):
+    _check(results_4, name)
+
+
+# --- in process -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def traced():
+    model, inputs = ec.model_and_inputs()
+    t = autoshard.trace(model, inputs)
+    find_regions(t.gm)
+    return t
+
+
+def _calls(traced, target):
+    return traced.gm.graph.find_nodes(op="call_function", target=target)
+
+
+def test_placements_on_an_expert_parallel_dim(traced):
+    """By hand, per layer: the expert weights (forward and input-gradient GEMMs) split by expert,
+    the weight gradients whole per expert; the rows the experts compute are received rows (held
+    whole, as replicated); the gathers into expert order send, the ones back to token order
+    receive; the expert ids stay the rank's own."""
+    for mm in _calls(traced, aten._grouped_mm.default):
+        fact = mm.meta[REGION_KEY]
+        assert fact.experts == ec.EXPERTS
+        if fact.outputs == (Partial(),):
+            assert fact.ep_outputs == (Shard(0),) and fact.ep_inputs == (Replicate(), Replicate(), Replicate())
+        else:
+            assert fact.ep_outputs == (Replicate(),) and fact.ep_inputs == (Replicate(), Shard(0), Replicate())
+    sends = [n for n in _calls(traced, aten.index.Tensor) + _calls(traced, aten.index_put.default)
+             if REGION_KEY in n.meta and n.meta[REGION_KEY].ep_outputs[0] == Replicate()]
+    backs = [n for n in _calls(traced, aten.index.Tensor) + _calls(traced, aten.index_put.default)
+             if REGION_KEY in n.meta and Replicate() in n.meta[REGION_KEY].ep_inputs]
+    # per layer: hidden states and routing weights gathered, the output's gradient scattered in;
+    # the output gathered back, the two input gradients scattered back
+    assert len(sends) == 2 * 3 and len(backs) == 2 * 3
+    (histc, *_) = _calls(traced, aten.histc.default)
+    assert histc.meta[REGION_KEY].ep_inputs == (Shard(0),) and ep_member(histc)
+
+
+def test_strategies_only_where_the_experts_divide(traced):
+    """4 experts: a dim of 2 or 4 ranks may hold them, one of 8 may not; on a (2, 2) mesh each dim
+    may, with the tokens split on the other dim too or not."""
+    for shape, dims in (((2,), {0}), ((4,), {0}), ((8,), set()), ((2, 2), {0, 1})):
+        find_strategies(traced.gm, autoshard._torch.planning_mesh(shape, tuple(f"d{i}" for i in range(len(shape)))))
+        (mm, *_) = _calls(traced, aten._grouped_mm.default)
+        got = {ep_dim(s) for s in mm.meta[META_KEY].strategies} - {None}
+        assert got == dims, (shape, got)
+        if shape == (2, 2):
+            texts = {s.text for s in mm.meta[META_KEY].strategies if ep_dim(s) == 1}
+            assert texts == {"(R,R),(R,S(0)),(R,R)->(R,R) ep1", "(S(0),R),(R,S(0)),(R,R)->(S(0),R) ep1"}, texts
+            for s in mm.meta[META_KEY].strategies:
+                if ep_dim(s) is not None:
+                    assert split_dims(mm.meta[REGION_KEY], s) >= {ep_dim(s)}
+
+
+def test_exchange_priced_by_hand(traced):
+    """The gather of the hidden states into expert order on 2 ranks: the counts' all-to-all and
+    the host sync, then the rank's own rows (half the routed rows, bf16) by all-to-all, the
+    busiest receiver taking ``imbalance`` times its share."""
+    cluster = sharding_cluster((2,))
+    find_strategies(traced.gm, autoshard._torch.planning_mesh((2,), ("d0",)))
+    send = next(n for n in _calls(traced, aten.index.Tensor)
+                if REGION_KEY in n.meta and n.meta[REGION_KEY].ep_outputs[0] == Replicate()
+                and n.meta["val"].ndim == 2)
+    s = next(s for s in send.meta[META_KEY].strategies if ep_dim(s) == 0)
+    rows, hidden = send.meta["val"].shape
+    counts = cluster.collective_time("all_to_all", ec.EXPERTS * 8, 0) + experts.HOST_SYNC_S
+    own = rows // 2 * hidden * 2
+    assert experts.exchange_time(cluster, send, s, 0.0) == pytest.approx(
+        counts + cluster.collective_time("all_to_all", own, 0))
+    skewed = type(s)(s.outputs, s.inputs, s.shards, 2.0, s.variant)
+    assert experts.exchange_time(cluster, send, skewed, 0.0) == pytest.approx(
+        counts + cluster.collective_time("all_to_all", 2 * own, 0))
+    # and the op's price includes it
+    assert costmodel.compute_time(cluster, send, s) >= counts
+
+
+def test_a_plan_mixing_the_two_ways_is_refused(traced):
+    """An edited plan in which one member of an expert-parallel region runs token-local would
+    multiply received rows by the whole expert stack: compile refuses it, naming both nodes."""
+    from autoshard.build import choice_from_plan
+
+    plan = autoshard.plan(traced, sharding_cluster((2,)), allow=ec.pinned(0), share_layers=False)
+    choice_from_plan(traced, plan)
+    mm = next(n for n in plan.nodes if n.name == "_grouped_mm")
+    assert mm.strategy.endswith(" ep0"), mm.strategy
+    mm.strategy = "(S(0)),(R),(R)->(S(0))"
+    with pytest.raises(PlanMismatchError, match=r"expert-parallel on mesh dim 0, _grouped_mm on None"):
+        choice_from_plan(traced, plan)
+
+
+def test_the_tie_keeps_a_region_one_way(traced):
+    """Pinning one GEMM expert-parallel makes its whole region so, where the free plan keeps it
+    token-local (near-free links and no compute: the replicated experts cost nothing to read)."""
+    mm = _calls(traced, aten._grouped_mm.default)[0]
+    region = mm.meta[REGION_KEY].region
+    members = [n for n in traced.gm.graph.nodes if REGION_KEY in n.meta
+               and n.meta[REGION_KEY].region == region and ep_member(n)]
+    for pin, want in ((None, None), (0, 0)):
+        plan = autoshard.plan(traced, sharding_cluster((2,)), share_layers=False,
+                              allow=None if pin is None else (lambda n, s: n is not mm or ep_dim(s) == pin))
+        chosen = {n.name: n.strategy for n in plan.nodes}
+        eps = {n.name: ep_dim(next(s for s in n.meta[META_KEY].strategies if s.text == chosen[n.name]))
+               for n in members}
+        assert set(eps.values()) == {want}, (pin, eps)
+
+
+def test_fsdp_ep_is_torchtitans_layout(traced):
+    """The ``fsdp_ep`` baseline on 4 CPU ranks: on its (fsdp, ep) grid every MoE op runs
+    expert-parallel over ep, the experts are stored split by expert there and sharded over fsdp
+    too, every other parameter is sharded over both dims, and the batch splits over both."""
+    from autoshard.planning.baselines import plan_baseline
+
+    plan = plan_baseline(traced, autoshard.Cluster.local(4), "fsdp_ep")
+    assert plan.mesh_dim_names == ("fsdp", "ep") and tuple(plan.mesh_shape) == (2, 2), plan.mesh_shape
+    chosen = {n.name: n.strategy for n in plan.nodes}
+    members = [n for n in traced.gm.graph.nodes if n.op == "call_function" and ep_member(n)]
+    assert members and all(chosen[n.name].endswith(" ep1") for n in members)
+    assert plan.inputs == ["(S(0),S(0))"] * 2
+    for name, placements in plan.storage.items():
+        fsdp, ep = placements[1:-1].split(",")
+        if "experts" in name:
+            assert ep == "S(0)" and fsdp.startswith("S("), (name, placements)
+        else:
+            assert fsdp.startswith("S(") and ep.startswith("S("), (name, placements)
+
+
+def test_moe_imbalance_prices_the_busiest_rank(traced):
+    """The same expert-parallel plan priced for a router that sends the busiest rank twice its
+    share: slower by the exchanges' and expert GEMMs' extra time, never faster; a factor below
+    1 is refused."""
+    from autoshard.errors import ConstraintError
+
+    cluster = autoshard.Cluster.local(2)
+    even = autoshard.plan(traced, cluster, allow=ec.pinned(0))
+    skewed = autoshard.plan(traced, cluster, allow=ec.pinned(0), moe_imbalance=2.0)
+    assert skewed.step_time > even.step_time
+    with pytest.raises(ConstraintError, match="moe_imbalance"):
+        autoshard.plan(traced, cluster, moe_imbalance=0.5)
+
+
+def test_received_rows_are_laid_out_expert_major():
+    """The dispatch's reordering against a brute-force walk: rows arrive source by source, each
+    source's rows expert by expert; the grouped GEMMs need them expert by expert, each expert's
+    rows source by source (empty blocks included)."""
+    g = torch.Generator().manual_seed(0)
+    for sources, local_experts in ((2, 3), (4, 2), (3, 5)):
+        received = torch.randint(0, 4, (sources, local_experts), generator=g)
+        received[0, 0] = 0
+        arrival = [(s, e, r) for s in range(sources) for e in range(local_experts) for r in range(received[s, e])]
+        want = sorted(range(len(arrival)), key=lambda i: (arrival[i][1], arrival[i][0], arrival[i][2]))
+        assert experts._expert_major(received, len(arrival)).tolist() == want
