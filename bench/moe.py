@@ -68,16 +68,17 @@ def main() -> None:
                     help="model:nodes entries")
     ap.add_argument("--baselines", nargs="*", default=BASELINES)
     ap.add_argument("--time-limit", type=float, default=300.0)
+    ap.add_argument("--batch", type=int, default=None, help="global sequences per step (default: one per GPU)")
     ap.add_argument("--meshes", default="auto-2d", help="the free plans' logical meshes (autoshard.plan's meshes)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
-    out = Path(__file__).parent / "out" / "moe.json"
+    out = Path(__file__).parent / "out" / ("moe.json" if args.batch is None else f"moe_batch{args.batch}.json")
     out.parent.mkdir(exist_ok=True)
     results = []
     for spec in args.only:
         name, nodes = spec.split(":")
         cluster = autoshard.Cluster.preset("dgx-h100", nodes=int(nodes))
-        m, inputs = model(name, cluster.world_size)
+        m, inputs = model(name, args.batch or cluster.world_size)
         start = time.perf_counter()
         traced = autoshard.trace(m, inputs)
         trace_s = time.perf_counter() - start

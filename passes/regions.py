@@ -59,8 +59,10 @@ META_KEY = "autoshard.region"
 
 aten = torch.ops.aten
 _SORTS = (aten.sort.default, aten.sort.stable)
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 _DISPATCH = (aten.histc.default, aten._grouped_mm.default)
 _BUFFERS = (aten.new_zeros.default, aten.empty_like.default, aten.zeros_like.default, aten.new_empty.default)
+_LIKE = (aten.empty_like.default, aten.zeros_like.default)
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,10 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
             continue
         warnings.warn(f"autoshard: the MoE dispatch sorted at {seeds[rid].name} stays replicated: {why}",
                       stacklevel=2)
+    for rid, why in no_ep.items():
+        if rid in dispatch and rid not in invalid:
+            warnings.warn(f"autoshard: the MoE dispatch sorted at {seeds[rid].name} runs token-local only, not "
+                          f"expert-parallel: {why}", stacklevel=2)
     ids: dict[int, int] = {}
     out: dict[fx.Node, TokenLocal] = {}
     for node in gm.graph.nodes:   # renumber the valid regions 0, 1, ... in graph order
@@ -256,6 +262,9 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict,
     if t in _BUFFERS:
         if len(node.users) != 1 or next(iter(node.users)).target is not aten.index_put.default:
             raise _Invalid("a new tensor from routed rows that is not a scatter's buffer")
+        if t in _LIKE and _is_local(st(ins[0])) and st(ins[0]).moved:
+            # sized by its template, which an expert-parallel rank holds as its received rows
+            no_ep.setdefault(rid, f"{node.name} makes a scatter's buffer the size of routed rows")
         return [_Buffer(rid)], _buffer_fact(node, rid, seed, st)
     if any(isinstance(st(a), _Buffer) for a in ins) and t is not aten.index_put.default:
         raise _Invalid("reads a scatter's buffer")
@@ -295,6 +304,14 @@ def _counts(node: fx.Node, s, j: _Judge) -> _Judged:
     hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
     if not lo < hi:   # a range taken from the data would differ from rank to rank
         raise _Invalid("counts over a range taken from the data (give histc its min and max)")
+    bins = node.args[1] if len(node.args) > 1 else node.kwargs.get("bins", 100)
+    x = node.args[0]
+    while isinstance(x, fx.Node) and x.target in _CASTS:
+        x = x.args[0]
+    ids = isinstance(x, fx.Node) and x.target is operator.getitem and x.args[0].name == j.seed and x.args[1] == 0
+    if not (ids and lo == 0 and hi in (bins - 1, bins)):
+        # an expert-parallel rank counts the sort's ids itself, one bin per expert
+        j.no_ep.setdefault(j.rid, f"{node.name} counts something other than the expert ids, one bin each")
     return [_Table(j.rid)], j.fact((Replicate(),), (Shard(0),), True)
 
 
@@ -399,6 +416,8 @@ def _row_wise(node: fx.Node, ins: list, mesh1, j: _Judge) -> _Judged:
             result.append(j.local(next(iter(orders)), o.dim, moved=True in moved))
         elif isinstance(o, Partial) and o.reduce_op == "sum":
             result.append(None)                  # a sum over tokens: order does not matter
+            if True in moved:   # over received rows: another rank's tokens, and the buffer's padding
+                j.no_ep.setdefault(j.rid, f"{node.name} sums over routed rows")
         elif o is None:
             result.append(None)
         else:

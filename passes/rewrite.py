@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoshard import _torch
 from autoshard.collectives import local_shape, to_placements
+from autoshard.errors import NoShardingRuleError
 from autoshard.passes.annotate import feeds_only_grads, phases
 from autoshard.passes.graph import META_KEY, Strategy, tensor_inputs
 from autoshard.passes.regions import META_KEY as REGION_KEY, ep_dim, runs_locally
@@ -99,6 +100,10 @@ def _run_node(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=N
     # an op planned replicated for lack of a rule: DTensor would refuse it too, so each rank runs
     # it on its whole inputs
     no_rule = node.meta[META_KEY].fallback is not None
+    if no_rule and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        raise NoShardingRuleError(f"{node.name} ({node.target}) draws random numbers and has no sharding rule: "
+                                  f"run whole on every rank, the ranks would draw apart. Register a rule "
+                                  f"with torch.distributed.tensor's register_sharding.")
     if runs_locally(node, strategy) or node.target in rules.LOCAL or no_rule:
         return _run_local(node, env, strategy, mesh, reduce_dtype)
     inputs = iter(strategy.inputs)

@@ -120,7 +120,8 @@ def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dic
 
     ``memo`` (a dict kept with the graph: ``TracedModel.strategy_memo``) holds each mesh shape's
     result, so planning the same graph again on a mesh of that shape (a baseline, another logical
-    mesh, another memory cap) does not enumerate again: strategies depend on the mesh's shape only."""
+    mesh, another memory cap) does not enumerate again: strategies depend on the mesh's shape only,
+    and on ``moe_imbalance`` (the load expert-parallel strategies are priced at; part of the key)."""
     if not (isinstance(moe_imbalance, (int, float)) and moe_imbalance >= 1.0):
         raise ConstraintError(f"moe_imbalance is the busiest expert-parallel rank's received rows over an even "
                               f"share: a number >= 1.0, not {moe_imbalance!r}")

@@ -1,15 +1,15 @@
 """Expert-parallel numerics, run inside real gloo processes (module-level so spawned ranks import
 them).
 
-Each case builds transformers' Mixtral from a tiny config with grouped-GEMM experts in float32,
-in bfloat16 (torch traces
-grouped GEMMs in bfloat16 only), compiles it with every MoE region pinned expert-parallel on one mesh dim (the rest of the plan
+Each case builds transformers' Mixtral or DeepSeek-V3 from a tiny config with grouped-GEMM
+experts, in bfloat16 (torch traces grouped GEMMs in bfloat16 only), compiles it with every MoE
+region pinned expert-parallel on one mesh dim (the rest of the plan
 free), runs forward, backward and one SGD step, and returns the largest deviation from the same
 step on one device, with the exchanges the ranks ran.
 
 ``routing="skewed"``: every token's first choice is expert 0 (a large constant feature in the
-embeddings that only expert 0's router row reads), so the rank holding expert 0 receives every
-token and another rank none of them.
+embeddings that only expert 0's router row reads), so expert 0 receives half the routed rows
+(top-2) and the rank holding it the most.
 """
 
 from __future__ import annotations

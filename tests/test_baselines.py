@@ -84,6 +84,9 @@ def test_compare_names_and_free_plan_no_slower(small):
             assert p.step_time >= plans["auto"].step_time * (1 - 1e-6), name
     for b in BASELINES:
         plain, full = plans[b], plans[b + "+recompute"]
+        if b == "fsdp_ep":   # experts over a mesh dim: a dense model has none to split
+            assert all(isinstance(p, InfeasibleError) and "mixture-of-experts" in str(p) for p in (plain, full))
+            continue
         assert not any(n.recompute for n in plain.nodes)
         assert any(n.recompute for n in full.nodes)
 
@@ -99,7 +102,7 @@ def layered():
     return traced, _cluster(1, 4)
 
 
-@pytest.mark.parametrize("baseline", list(BASELINES))
+@pytest.mark.parametrize("baseline", [b for b in BASELINES if b != "fsdp_ep"])  # (a dense GPT)
 def test_full_recompute_saves_less_than_the_same_plan_without(layered, baseline):
     """Recompute saves less for backward than the same strategies without it (the two baselines'
     plans may differ in strategies, and so in what a saved value weighs): the recompute plan's

@@ -7,8 +7,12 @@ the ILP's tie; and an edited plan that mixes the two ways is refused.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autoshard
@@ -114,6 +118,9 @@ def test_placements_on_an_expert_parallel_dim(traced):
     assert len(sends) == 2 * 3 and len(backs) == 2 * 3
     (histc, *_) = _calls(traced, aten.histc.default)
     assert histc.meta[REGION_KEY].ep_inputs == (Shard(0),) and ep_member(histc)
+    for sort in _calls(traced, aten.sort.default):
+        fact = sort.meta[REGION_KEY]
+        assert (fact.ep_outputs, fact.ep_inputs) == (fact.outputs, fact.inputs) and not ep_member(sort)
 
 
 def test_strategies_only_where_the_experts_divide(traced):
@@ -185,7 +192,7 @@ def test_the_tie_keeps_a_region_one_way(traced):
 
 
 def test_fsdp_ep_is_torchtitans_layout(traced):
-    """The ``fsdp_ep`` baseline on 4 CPU ranks: on its (fsdp, ep) grid every MoE op runs
+    """The ``fsdp_ep`` baseline planned for 4 CPU ranks: on its (fsdp, ep) grid every MoE op runs
     expert-parallel over ep, the experts are stored split by expert there and sharded over fsdp
     too, every other parameter is sharded over both dims, and the batch splits over both."""
     from autoshard.planning.baselines import plan_baseline
@@ -205,9 +212,9 @@ def test_fsdp_ep_is_torchtitans_layout(traced):
 
 
 def test_moe_imbalance_prices_the_busiest_rank(traced):
-    """The same expert-parallel plan priced for a router that sends the busiest rank twice its
-    share: slower by the exchanges' and expert GEMMs' extra time, never faster; a factor below
-    1 is refused."""
+    """The same expert-parallel problem priced for a router that sends the busiest rank twice
+    its share: slower; a factor below 1 is refused. (The exchange's own price at a factor:
+    test_exchange_priced_by_hand.)"""
     from autoshard.errors import ConstraintError
 
     cluster = autoshard.Cluster.local(2)
@@ -229,3 +236,54 @@ def test_received_rows_are_laid_out_expert_major():
         arrival = [(s, e, r) for s in range(sources) for e in range(local_experts) for r in range(received[s, e])]
         want = sorted(range(len(arrival)), key=lambda i: (arrival[i][1], arrival[i][0], arrival[i][2]))
         assert experts._expert_major(received, len(arrival)).tolist() == want
+
+
+class _TinyMoE(nn.Module):
+    """A grouped-GEMM MoE written as in torchtitan's style: routed rows through two grouped GEMMs,
+    back to token order by the inverse permutation; ``"scaled"`` scales the expert output by a
+    shared weight (its gradient sums over routed rows), ``"like"`` scatters back into a buffer
+    sized by the routed rows (``empty_like``)."""
+
+    def __init__(self, variant: str, experts: int = 4, hidden: int = 16, inner: int = 32):
+        super().__init__()
+        self.variant, self.experts = variant, experts
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, inner, hidden) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, inner) * 0.1)
+        self.g = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x, y):
+        weights, chosen = self.router(x).softmax(-1).topk(2)
+        ids, perm = torch.sort(chosen.reshape(-1))
+        offs = torch.cumsum(torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1), 0,
+                            dtype=torch.int32)
+        h = torch._grouped_mm(F.silu(torch._grouped_mm(x[perm // 2], self.w1.transpose(-2, -1), offs)),
+                              self.w2.transpose(-2, -1), offs)
+        if self.variant == "scaled":
+            h = h * self.g
+        h = h * weights.reshape(-1)[perm].unsqueeze(-1)
+        if self.variant == "like":
+            back = torch.empty_like(h)
+            back[perm] = h
+        else:
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.numel())
+            back = h[inverse]
+        return ((back.view(x.shape[0], 2, -1).sum(1) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("variant,why", [("plain", None), ("scaled", "sums over routed rows"),
+                                         ("like", "a scatter's buffer the size of routed rows")])
+def test_regions_expert_parallelism_cannot_run_get_none(variant, why):
+    """A sum over received rows would add other ranks' tokens and the buffer's padding, and a
+    buffer sized like received rows is not the rank's own rows: those regions stay token-local,
+    with a warning that says why; the plain one may run expert-parallel."""
+    model = _TinyMoE(variant).to(torch.bfloat16)
+    inputs = (torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(32, 16, dtype=torch.bfloat16))
+    traced = autoshard.trace(model, inputs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        facts = find_regions(traced.gm)
+    said = [str(w.message) for w in caught if "not expert-parallel" in str(w.message)]
+    assert facts and {f.experts for f in facts.values()} == ({4} if why is None else {0})
+    assert (said == []) if why is None else (len(said) == 1 and why in said[0]), said

@@ -153,6 +153,9 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
     if suffix:
         recompute = "full"
     traced = model if isinstance(model, TracedModel) else trace(model, example_inputs)
+    if "ep" in BASELINES[base].roles and not _has_experts(traced):
+        raise InfeasibleError(f"{name} splits experts over a mesh dim, and this model has no mixture-of-experts "
+                              f"layer that can run so (passes/regions.py)")
     best, errors, tried, why = None, [], {}, {}
     limit = kwargs.pop("cutoff", None)
     grids = logical_meshes(base, cluster)
@@ -199,6 +202,14 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
     best = copy.copy(best)  # a solved grid may be shared with another baseline (_solved): own stats
     best.stats = dict(best.stats, baseline=name, meshes=tried, mesh_errors=why)
     return best
+
+
+def _has_experts(traced: TracedModel) -> bool:
+    from autoshard.passes.regions import META_KEY, find_regions
+
+    if not any(META_KEY in n.meta for n in traced.gm.graph.nodes):
+        find_regions(traced.gm)
+    return any(n.meta[META_KEY].experts for n in traced.gm.graph.nodes if META_KEY in n.meta)
 
 
 def compare(model, cluster: Cluster, example_inputs=None, *, memory_limit: float | None = None,

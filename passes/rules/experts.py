@@ -139,11 +139,15 @@ def run(node: fx.Node, args: tuple, kwargs: dict, d: int, mesh, ids: torch.Tenso
         return out
     if node.target not in MOVES:
         return node.target(*args, **kwargs)
-    moved_in = [_moved(t, e) for t, e in zip(fact.inputs, fact.ep_inputs)]
-    it = iter(moved_in)
-    combine = lambda t: torch.ops.autoshard.moe_combine(t, **exchange) if next(it) else t  # noqa: E731
-    args = _torch.tree_map_only(torch.Tensor, combine, args)
-    kwargs = _torch.tree_map_only(torch.Tensor, combine, kwargs)
+    # the values of the node's tensor inputs (graph constants are not among them) are combined
+    # where the rows are received ones
+    moved = iter([_moved(t, e) for t, e in zip(fact.inputs, fact.ep_inputs)])
+    nodes, _ = _torch.tree_flatten((node.args, node.kwargs))
+    values, spec = _torch.tree_flatten((args, kwargs))
+    values = [torch.ops.autoshard.moe_combine(v, **exchange)
+              if isinstance(a, fx.Node) and a.op != "get_attr" and next(moved) else v
+              for a, v in zip(nodes, values)]
+    args, kwargs = _torch.tree_unflatten(values, spec)
     out = node.target(*args, **kwargs)
     if _moved(fact.outputs[0], fact.ep_outputs[0]):
         out = torch.ops.autoshard.moe_dispatch(out, **exchange)
