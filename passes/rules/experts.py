@@ -35,7 +35,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch
 from autoshard.passes.graph import tensor_inputs
-from autoshard.passes.regions import ep_dim
+from autoshard.passes.regions import META_KEY as REGION_KEY, ep_dim
 
 aten = torch.ops.aten
 
@@ -126,7 +126,7 @@ def _moved(token, ep) -> bool:
 def run(node: fx.Node, args: tuple, kwargs: dict, d: int, mesh, ids: torch.Tensor):
     """``node``'s local outputs when its region runs expert-parallel over mesh dim ``d``; ``args``
     are its local inputs, ``ids`` this rank's sorted expert ids (the region's sort)."""
-    fact = node.meta["autoshard.region"]
+    fact = node.meta[REGION_KEY]
     exchange = dict(ids=ids, experts=fact.experts, ranks=mesh.shape[d], group=mesh.get_group(d).group_name)
     if node.target is COUNTS:
         return torch.ops.autoshard.moe_counts(**exchange).to(node.meta["val"].dtype)
@@ -157,7 +157,7 @@ def run(node: fx.Node, args: tuple, kwargs: dict, d: int, mesh, ids: torch.Tenso
 def exchange_time(cluster, node, strategy, compute: float) -> float:
     """Seconds the exchanges of ``node`` add under an expert-parallel ``strategy`` (module doc)."""
     d = ep_dim(strategy)
-    fact = node.meta.get("autoshard.region")
+    fact = node.meta.get(REGION_KEY)
     if d is None or fact is None:
         return 0.0
     counts = cluster.collective_time("all_to_all", fact.experts * 8, d) + HOST_SYNC_S
