@@ -188,7 +188,39 @@ def joint_export(model: torch.nn.Module, args: tuple[Any, ...], user_frame: Call
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compiling())
         stack.enter_context(_SourceLines(user_frame))
+        stack.enter_context(grouped_mm_any_float())
         yield aot_export_joint_with_descriptors(stack, model, args, decompositions=decompose)
+
+
+@contextlib.contextmanager
+def grouped_mm_any_float():
+    """Inside, fake tensors run ``aten._grouped_mm`` in any floating dtype. torch's meta kernel
+    accepts bfloat16 only up to 2.13 (2.15 accepts float32), while its CPU kernel multiplies
+    float32 too, so a float32 model with grouped GEMMs could run but not be traced. Fake tensors consult a list of op implementations
+    before an op's meta kernel: the one added there gives other dtypes the output torch's meta
+    code builds for bfloat16, and leaves bfloat16 to torch. On exit it is removed, and the fake
+    tensors' shared cache of op results is emptied, so that no float32 result made here answers
+    a later call outside."""
+    from torch import _meta_registrations as metas
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    op = torch.ops.aten._grouped_mm.default
+
+    def impl(mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        if mat_a.dtype == torch.bfloat16 or offs is None or bias is not None or mat_a.dtype != mat_b.dtype:
+            return NotImplemented     # torch's meta kernel: its checks and its errors
+        with in_kernel_invocation_manager(mode):
+            out = metas._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return FakeTensor(mode, out, mat_a.device)
+
+    entry = (lambda func: func is op, impl)
+    fake_impls.op_implementations_checks.insert(0, entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)
+        FakeTensorMode.cache_clear()
 
 
 @contextlib.contextmanager
@@ -276,6 +308,12 @@ def reduce_scatter_async(t: torch.Tensor, ranks: int, group_name: str) -> torch.
     """Start a sum reduce-scatter of ``t`` (flat, rank r's part the r-th 1/ranks) over the named
     process group; the result is ready after :func:`wait`."""
     return torch.ops._c10d_functional.reduce_scatter_tensor(t, "sum", ranks, group_name)
+
+
+def all_gather_async(t: torch.Tensor, ranks: int, group_name: str) -> torch.Tensor:
+    """Start an all-gather of ``t`` over the named process group of ``ranks`` ranks: every rank's
+    ``t`` stacked along dim 0, in rank order; ready after :func:`wait`."""
+    return torch.ops._c10d_functional.all_gather_into_tensor(t, ranks, group_name)
 
 
 def all_to_all_async(t: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group_name: str) -> torch.Tensor:

@@ -28,7 +28,7 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
          strict: bool = False, time_limit: float = 120.0, progress: bool | None = None,
          allow=None, mixed_precision: MixedPrecision | None = None, grad_accumulation: int = 1,
          meshes=None, followers: bool = True, cutoff: float | None = None, backend: str = "eager",
-         moe_imbalance: float = 1.0) -> Plan:
+         moe_imbalance: float = 1.0, moe_capacity: float | None = None) -> Plan:
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
@@ -57,7 +57,12 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
 
     ``moe_imbalance`` (>= 1): for a Mixture-of-Experts run expert-parallel, the rows the busiest
     rank receives over an even share (as measured from the router's counts); its exchanges and
-    grouped GEMMs are priced at that load. Default 1.0: uniform routing.
+    grouped GEMMs are priced at that load. Default 1.0: uniform routing. ``moe_capacity``
+    (>= ``moe_imbalance``): the rows each rank's receive buffer holds, over its own routed rows;
+    a step whose routing sends a rank more raises :class:`~autoshard.errors.CapacityError` on
+    every rank of its expert-parallel group at once (with other mesh dims, the other groups' ranks
+    then fail at their next collective with those). Default None: the buffer holds every rank's rows, so nothing can overflow it, and
+    is counted at that size.
 
     ``backend``: what will run the program, "eager" (op by op) or "inductor" (compiled, elementwise
     chains fused), which prices each op (the plan records it and runs only under it)."""
@@ -71,11 +76,12 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
                                  recompute=recompute, share_layers=share_layers, strict=strict,
                                  time_limit=time_limit, progress=progress, allow=allow,
                                  mixed_precision=mixed_precision, grad_accumulation=grad_accumulation,
-                                 followers=followers, cutoff=cutoff, backend=backend, moe_imbalance=moe_imbalance)
+                                 followers=followers, cutoff=cutoff, backend=backend, moe_imbalance=moe_imbalance,
+                                 moe_capacity=moe_capacity)
     t0 = time.perf_counter()
     progress = Progress(progress)
     traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, progress,
-                                      moe_imbalance=moe_imbalance)
+                                      moe_imbalance=moe_imbalance, moe_capacity=moe_capacity)
     t1 = time.perf_counter()
     problem, solution, limit = solve(traced, cluster, constraints, memory_limit, recompute, time_limit,
                                       share_layers, allow, **accumulation(grad_accumulation),
@@ -95,7 +101,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
             share_layers: bool = True, strict: bool = False, time_limit: float = 120.0,
             mixed_precision: MixedPrecision | None = None, grad_accumulation: int | None = None,
             allow=None, followers: bool = True, backend: str | None = None,
-            moe_imbalance: float = 1.0) -> DistributedModule:
+            moe_imbalance: float = 1.0, moe_capacity: float | None = None) -> DistributedModule:
     """Plan (unless ``plan`` is given) and build this rank's module. Call on every rank of an
     initialized process group whose world size is ``cluster.world_size``.
 
@@ -104,6 +110,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     ``reduce_dtype``. ``grad_accumulation=K`` (default: the given plan's, else 1): plan for K
     micro-batches per step, and move the gradients to storage only on every K-th backward (the
     others accumulate them unreduced; ``module.no_sync()`` does the same explicitly).
+    ``moe_imbalance`` and ``moe_capacity``: as for :func:`plan` (default capacity: the given
+    plan's).
 
     ``backend``: "eager" runs the forward and backward graphs op by op; "inductor" compiles
     each (``torch.compile``: C++ on CPU, Triton on GPU) on their first call, and the plan is
@@ -125,6 +133,11 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
             and math.prod(plan.mesh_shape) == cluster.world_size:
         # a plan made on a logical mesh (autoshard.planning.meshes) runs on that grid of the same devices
         cluster = cluster.with_mesh(tuple(plan.mesh_shape), tuple(plan.mesh_dim_names))
+    if plan is not None and moe_capacity not in (None, plan.moe_capacity):
+        raise ConstraintError(f"compile(plan=...) runs the given plan as it is: its expert-parallel buffer holds "
+                              f"moe_capacity={plan.moe_capacity}, not {moe_capacity}; re-plan with it, or drop it")
+    if plan is not None:
+        moe_capacity = plan.moe_capacity
     if grad_accumulation is None:
         grad_accumulation = getattr(plan, "grad_accumulation", 1) if plan is not None else 1
     if backend is None:
@@ -141,7 +154,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         device_type = "cuda" if group_backend == "nccl" else "cpu"
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, device=device,
-                                      moe_imbalance=moe_imbalance)
+                                      moe_imbalance=moe_imbalance, moe_capacity=moe_capacity)
     if plan is None:
         # Rank 0 plans and everyone runs its plan: ranks must never disagree on a tie.
         box = [None]

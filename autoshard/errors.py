@@ -61,6 +61,11 @@ class PlanMismatchError(PlanError):
     """A plan was made for another model, cluster or world size."""
 
 
+class CapacityError(AutoshardError, RuntimeError):
+    """A rank of an expert-parallel run received more routed rows than the plan's ``moe_capacity``
+    holds (raised on every rank of that expert-parallel group at once)."""
+
+
 class RuntimeMismatchError(AutoshardError, ValueError):
     """Inputs given to a compiled module do not match what its plan expects
     (shape, dtype, world size)."""

@@ -7,6 +7,7 @@ the 2-D logical meshes over the same devices (``meshes="auto-2d"``), as the base
 grids. Writes bench/out/moe.json.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/moe.py [--only mixtral:4 deepseek_v3:8] [--baselines fsdp_ep fsdp]
+        [--capacity 1.25 2] [--skip-without-ep]
 
 Models: Mixtral-8x7B (8 experts, top-2) and a fine-grained MoE of DeepSeek-V3's architecture at
 16B (64 small experts, top-6, two shared experts), both bfloat16, one sequence of 4096 tokens
@@ -26,7 +27,7 @@ import torch
 
 import autoshard
 from autoshard.errors import AutoshardError
-from autoshard.passes.regions import ep_dim
+from autoshard.passes.regions import ep_dim, parse_ep
 from autoshard.planning.baselines import plan_baseline
 
 SEQ = 4096
@@ -48,8 +49,9 @@ def model(name: str, batch: int):
 
 def _ep_dims(plan) -> dict[str, int]:
     """Mesh dim name -> the MoE ops the plan runs expert-parallel over it."""
-    counts = collections.Counter(n.strategy.rsplit(" ", 1)[-1] for n in plan.nodes if " ep" in n.strategy)
-    return {plan.mesh_dim_names[int(v[2:])]: k for v, k in counts.items() if v[2:].isdigit()}
+    eps = (parse_ep(n.strategy.rsplit(" ", 1)[-1]) for n in plan.nodes)
+    counts = collections.Counter(ep[0] for ep in eps if ep is not None)
+    return {plan.mesh_dim_names[d]: k for d, k in counts.items()}
 
 
 def _row(label: str, fn) -> dict:
@@ -70,6 +72,9 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=300.0)
     ap.add_argument("--batch", type=int, default=None, help="global sequences per step (default: one per GPU)")
     ap.add_argument("--meshes", default="auto-2d", help="the free plans' logical meshes (autoshard.plan's meshes)")
+    ap.add_argument("--capacity", type=float, nargs="*", default=[],
+                    help="also the free plan with these moe_capacity values (receive buffers in own rows)")
+    ap.add_argument("--skip-without-ep", action="store_true", help="no 'free without EP' row")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     out = Path(__file__).parent / "out" / ("moe.json" if args.batch is None else f"moe_batch{args.batch}.json")
@@ -83,9 +88,12 @@ def main() -> None:
         traced = autoshard.trace(m, inputs)
         trace_s = time.perf_counter() - start
         free = dict(time_limit=args.time_limit, meshes=args.meshes)
-        rows = [_row("free", lambda: autoshard.plan(traced, cluster, **free)),
-                _row("free without EP", lambda: autoshard.plan(traced, cluster, **free,
-                                                                allow=lambda n, s: ep_dim(s) is None))]
+        rows = [_row("free", lambda: autoshard.plan(traced, cluster, **free))]
+        rows += [_row(f"free, capacity {c:g}", lambda: autoshard.plan(traced, cluster, **free, moe_capacity=c))
+                 for c in args.capacity]
+        if not args.skip_without_ep:
+            rows.append(_row("free without EP", lambda: autoshard.plan(traced, cluster, **free,
+                                                                       allow=lambda n, s: ep_dim(s) is None)))
         for b in args.baselines:
             rows.append(_row(b, lambda: plan_baseline(traced, cluster, b, time_limit=args.time_limit)))
         entry = {"model": name, "nodes": int(nodes), "cluster": f"{nodes} x 8 H100", "batch": list(inputs[0].shape),

@@ -29,7 +29,9 @@ class Strategy:
     inputs: tuple[Placements | None, ...]    # per tensor input (tensor_inputs(node) order)
     shards: int = 1                          # ranks the op's work is split over
     # the slowest rank's work over an even share (1: even; causal attention split by sequence into
-    # contiguous chunks: the last chunk sees every key, passes/rules/attention.py)
+    # contiguous chunks: the last chunk sees every key, passes/rules/attention.py; below 1 for an
+    # op over an expert-parallel receive buffer smaller than its replicated placement says,
+    # passes/regions.py)
     imbalance: float = 1.0
     variant: str = ""                        # how the op runs these placements, where there are two ways
 

@@ -35,13 +35,17 @@ rank. The routed rows a gather or scatter puts into expert order are *moved* (se
 experts' ranks), and so is every row tensor computed from them, up to the gathers and scatters
 back to token order, which receive them back; the sort's own ids and positions stay the rank's.
 Each fact also gives its tensors' placements on such a dim (``ep_outputs``, ``ep_inputs``): a
-moved tensor is held as large as replicated (a rank may receive every rank's rows), the experts'
-weights and their gradients split by expert. :func:`ep_strategies` turns them into strategies of
-variant ``ep<d>``; a region whose ops mix moved rows with the rank's own sorted rows gets none.
+moved tensor is ``Replicate`` there (a rank may receive every rank's rows), the experts' weights
+and their gradients split by expert. :func:`ep_strategies` turns them into strategies of variant
+``ep<d>``; a region whose ops mix moved rows with the rank's own sorted rows gets none. With a
+capacity ``c`` (variant ``ep<d>@<c>``) a rank's moved tensors hold ``c`` times its own rows
+instead of every rank's: :func:`received_rows` sizes them, :func:`held_fraction` tells the memory
+model and the prices what part of the replicated size that is.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from collections.abc import Callable
@@ -77,6 +81,9 @@ class TokenLocal:
     ep_outputs: tuple | None = None
     ep_inputs: tuple | None = None
     experts: int = 0                 # the region's expert count (its counts' bins)
+    # why the region's receive buffer must hold every rank's rows whatever the capacity (None: a
+    # capacity may size it)
+    dropless: str | None = None
 
     @property
     def neutral(self) -> bool:
@@ -123,6 +130,7 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
     seeds: list[fx.Node] = []
     dispatch: set[int] = set()              # regions that count or multiply per expert
     no_ep: dict[int, str] = {}              # region -> why it cannot run expert-parallel
+    no_capacity: dict[int, str] = {}        # region -> why a capacity cannot size its buffer
     experts: dict[int, set[int]] = {}       # region -> the expert counts its counts and GEMMs imply
 
     def st(a):
@@ -162,7 +170,7 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
         if node.target in _DISPATCH:
             dispatch.add(rid)
         try:
-            outs, fact = _rule(node, ins, st, mesh1, rid, seeds[rid].name, facts, no_ep)
+            outs, fact = _rule(node, ins, mesh1, _Judge(rid, seeds[rid].name, st, facts, no_ep, no_capacity))
         except _Invalid as exc:
             invalid.setdefault(rid, f"{node.name} ({node.target}): {exc}")
             continue
@@ -195,7 +203,7 @@ def find_regions(gm: fx.GraphModule) -> dict[fx.Node, TokenLocal]:
         ep = fact.region not in no_ep and len(n_experts) == 1
         fact = TokenLocal(ids.setdefault(fact.region, len(ids)), fact.seed, fact.outputs, fact.inputs, fact.local,
                           fact.ep_outputs if ep else None, fact.ep_inputs if ep else None,
-                          next(iter(n_experts)) if ep else 0)
+                          next(iter(n_experts)) if ep else 0, no_capacity.get(fact.region) if ep else None)
         node.meta[META_KEY] = out[node] = fact
     return out
 
@@ -237,6 +245,7 @@ class _Judge:
     st: Callable[[object], object]
     facts: dict
     no_ep: dict   # region -> why it cannot run expert-parallel
+    no_capacity: dict   # region -> why a capacity cannot size its receive buffer
 
     def local(self, order: str, axis: int = 0, values: str = "plain", rows: int = 0, moved: bool = False) -> _Local:
         return _Local(self.rid, order, axis, values, rows, moved)
@@ -255,17 +264,17 @@ def _is_local(s, order: str | None = None, values: str | None = None, axis: int 
         and axis in (None, s.axis)
 
 
-def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict, no_ep: dict) -> _Judged:
-    """How ``node``, touching region ``rid``, keeps what its tensors mean; raises _Invalid where
+def _rule(node: fx.Node, ins: list, mesh1, j: _Judge) -> _Judged:
+    """How ``node``, touching region ``j.rid``, keeps what its tensors mean; raises _Invalid where
     it cannot."""
-    t, j = node.target, _Judge(rid, seed, st, facts, no_ep)
+    t, st = node.target, j.st
     if t in _BUFFERS:
         if len(node.users) != 1 or next(iter(node.users)).target is not aten.index_put.default:
             raise _Invalid("a new tensor from routed rows that is not a scatter's buffer")
         if t in _LIKE and _is_local(st(ins[0])) and st(ins[0]).moved:
             # sized by its template, which an expert-parallel rank holds as its received rows
-            no_ep.setdefault(rid, f"{node.name} makes a scatter's buffer the size of routed rows")
-        return [_Buffer(rid)], _buffer_fact(node, rid, seed, st)
+            j.no_ep.setdefault(j.rid, f"{node.name} makes a scatter's buffer the size of routed rows")
+        return [_Buffer(j.rid)], _buffer_fact(node, j.rid, j.seed, st)
     if any(isinstance(st(a), _Buffer) for a in ins) and t is not aten.index_put.default:
         raise _Invalid("reads a scatter's buffer")
     if t is aten.floor_divide.default and _is_local(st(ins[0]), values="tok") and len(ins) == 1:
@@ -278,7 +287,7 @@ def _rule(node: fx.Node, ins: list, st, mesh1, rid: int, seed: str, facts: dict,
     if t is aten.cumsum.default:
         if not isinstance(st(ins[0]), _Table):
             raise _Invalid("cumsum of a routed tensor")
-        return [_Table(rid)], j.fact((Replicate(),), (Replicate(),), True)
+        return [_Table(j.rid)], j.fact((Replicate(),), (Replicate(),), True)
     if t is aten.index.Tensor:
         return _gather(node, j)
     if t is aten.index_put.default:
@@ -410,6 +419,10 @@ def _row_wise(node: fx.Node, ins: list, mesh1, j: _Judge) -> _Judged:
     moved = {s.moved for s in states if isinstance(s, _Local)}
     if len(moved) > 1:
         j.no_ep.setdefault(j.rid, f"{node.name} mixes routed rows with the sorted expert ids")
+    if True in moved and n & set(_ints((node.args, node.kwargs))):
+        # DTensor runs it with the sizes it was traced with, every rank's rows: a buffer of
+        # another size would not match them
+        j.no_capacity.setdefault(j.rid, f"{node.name} names the routed rows' count in its arguments")
     result = []
     for o in outs:
         if isinstance(o, Shard):
@@ -423,6 +436,10 @@ def _row_wise(node: fx.Node, ins: list, mesh1, j: _Judge) -> _Judged:
         else:
             raise _Invalid(f"its rule gives {o} for the token axis")
     return result, j.fact(tuple(outs), tuple(in_pl), False)
+
+
+def _ints(args) -> list[int]:
+    return [a for a in _torch.tree_leaves(args) if isinstance(a, int) and not isinstance(a, bool)]
 
 
 def _on(placements, d):
@@ -442,13 +459,70 @@ def split_dims(fact: TokenLocal, strategy) -> frozenset[int]:
 
 # ops that wait on the rank receiving the most rows: its grouped GEMMs, and the exchanges
 _WAIT_ON_BUSIEST = (aten._grouped_mm.default, aten.index.Tensor, aten.index_put.default, aten.histc.default)
-EP = "ep"   # the variant of an expert-parallel strategy: "ep" and its mesh dim, e.g. "ep1"
+# the variant of an expert-parallel strategy: "ep", its mesh dim and, with a capacity, "@" and the
+# capacity: "ep1" (dropless), "ep1@1.25"
+EP = "ep"
+
+
+def _ep_variant(strategy) -> tuple[int, float | None] | None:
+    return parse_ep(strategy.variant)
+
+
+def parse_ep(v: str) -> tuple[int, float | None] | None:
+    """(mesh dim, capacity or None) of an expert-parallel variant; None for any other."""
+    if not v.startswith(EP):
+        return None
+    dim, _, capacity = v[len(EP):].partition("@")
+    return (int(dim), float(capacity) if capacity else None) if dim.isdigit() else None
 
 
 def ep_dim(strategy) -> int | None:
     """The mesh dim over which ``strategy`` runs its region expert-parallel, if it does."""
-    v = strategy.variant
-    return int(v[len(EP):]) if v.startswith(EP) and v[len(EP):].isdigit() else None
+    ep = _ep_variant(strategy)
+    return None if ep is None else ep[0]
+
+
+def ep_capacity(strategy) -> float | None:
+    """The receive buffer of an expert-parallel ``strategy`` in the rank's own rows (None: every
+    rank's rows, dropless; also for a strategy that is not expert-parallel)."""
+    ep = _ep_variant(strategy)
+    return None if ep is None else ep[1]
+
+
+def received_rows(own: int, ranks: int, capacity: float | None) -> int:
+    """Rows a rank's receive buffer holds: ``capacity`` times its own ``own`` rows, at most every
+    rank's (all of them when ``capacity`` is None)."""
+    if capacity is None:
+        return ranks * own
+    return min(ranks * own, math.ceil(round(capacity * own, 6)))
+
+
+def held_fraction(strategy, mesh_shape) -> float:
+    """A moved tensor's size under ``strategy`` over the size its placements give (replicated on
+    the expert-parallel dim): its capacity over the dim's ranks; 1 when dropless."""
+    ep = _ep_variant(strategy)
+    return 1.0 if ep is None else _held(*ep, mesh_shape)
+
+
+def _held(d: int, capacity: float | None, mesh_shape) -> float:
+    return 1.0 if capacity is None else min(capacity, mesh_shape[d]) / mesh_shape[d]
+
+
+def moved(token, ep) -> bool:
+    """Whether a tensor placed ``token`` on a token-split dim and ``ep`` on an expert-parallel one
+    is routed rows: the rank's own there, the rows its experts receive here."""
+    return isinstance(token, Shard) and isinstance(ep, Replicate)
+
+
+def moved_tensors(node: fx.Node) -> tuple[tuple[bool, ...], tuple[bool, ...]] | None:
+    """Per tensor output and input of ``node``, whether it is moved rows under an expert-parallel
+    strategy (None: the node holds none)."""
+    fact = node.meta.get(META_KEY)
+    if fact is None or fact.ep_outputs is None:
+        return None
+    outs = tuple(map(moved, fact.outputs, fact.ep_outputs))
+    ins = tuple(map(moved, fact.inputs, fact.ep_inputs))
+    return (outs, ins) if any(outs) or any(ins) else None
 
 
 def ep_member(node: fx.Node) -> bool:
@@ -460,14 +534,20 @@ def ep_member(node: fx.Node) -> bool:
             and (node.target is aten.histc.default or (fact.ep_outputs, fact.ep_inputs) != (fact.outputs, fact.inputs)))
 
 
-def ep_strategies(node: fx.Node, fact: TokenLocal, mesh_shape: tuple[int, ...],
-                  imbalance: float = 1.0) -> list[tuple[tuple, tuple, float, str]]:
+def ep_strategies(node: fx.Node, fact: TokenLocal, mesh_shape: tuple[int, ...], imbalance: float = 1.0,
+                  capacity: float | None = None) -> list[tuple[tuple, tuple, float, str]]:
     """(outputs, inputs, imbalance, variant) of ``node`` running its region expert-parallel over
     one mesh dim, its tokens split there and over any other dims (replicated on the rest); empty
     where the node runs alike either way. ``imbalance``: the busiest rank's received rows over an
-    even share (its grouped GEMMs wait on it)."""
+    even share (its grouped GEMMs wait on it); ``capacity``: the receive buffer, in the rank's own
+    rows (None: every rank's). An op over moved rows that waits on no exchange runs over the whole
+    buffer: its work is the buffer's part of the replicated size (:func:`held_fraction`)."""
     if not ep_member(node):
         return []
+    if fact.dropless is not None:
+        capacity = None     # the region's buffer holds every rank's rows (TokenLocal.dropless)
+    moves = moved_tensors(node)
+    over_buffer = moves is not None and any(moves[0]) and node.target not in _WAIT_ON_BUSIEST
     rep, ndim = Replicate(), len(mesh_shape)
     out = []
     for d in range(ndim):
@@ -484,8 +564,9 @@ def ep_strategies(node: fx.Node, fact: TokenLocal, mesh_shape: tuple[int, ...],
             outs = tuple(map(pl, fact.outputs, fact.ep_outputs))
             ins = tuple(map(pl, fact.inputs, fact.ep_inputs))
             # at most every rank's rows: min(imbalance, ranks)
-            busiest = min(imbalance, mesh_shape[d]) if node.target in _WAIT_ON_BUSIEST else 1.0
-            out.append((outs, ins, busiest, f"{EP}{d}"))
+            busiest = (min(imbalance, mesh_shape[d]) if node.target in _WAIT_ON_BUSIEST
+                       else _held(d, capacity, mesh_shape) if over_buffer else 1.0)
+            out.append((outs, ins, busiest, f"{EP}{d}" if capacity is None else f"{EP}{d}@{float(capacity)!r}"))
     return out
 
 

@@ -85,7 +85,7 @@ def _run_local(node: fx.Node, env: dict, strategy: Strategy, mesh, reduce_dtype=
     if ep_dim(strategy) is not None:
         seed = node.meta[REGION_KEY].seed
         ids = next(v for n, v in env.items() if n.name == seed)[0].to_local()   # the region's sorted expert ids
-        out = rules.experts.run(node, args, kwargs, ep_dim(strategy), mesh, ids)
+        out = rules.experts.run(node, args, kwargs, strategy, mesh, ids)
     elif node.target in rules.LOCAL:
         out = rules.LOCAL[node.target](node, args, kwargs, strategy, mesh)
     else:
@@ -208,7 +208,7 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
     n_tangents = len(traced.tangents)
     example_tangents = [torch.ones_like(_local_out_example(traced, i)) for i in range(n_tangents)]
     phase = phases(gm)
-    with torch.no_grad(), fx_traceback.preserve_node_meta():
+    with torch.no_grad(), fx_traceback.preserve_node_meta(), _torch.grouped_mm_any_float():
         local = make_fx(joint, tracing_mode="fake")(list(local_primals), example_tangents)
     return local, len(traced.outputs), list(grad_placements)
 

@@ -115,25 +115,25 @@ def _replicated(node: fx.Node, rep: Placements) -> Strategy:
 
 
 def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dict | None = None,
-                    moe_imbalance: float = 1.0) -> list[tuple[str, str]]:
+                    moe_imbalance: float = 1.0, moe_capacity: float | None = None) -> list[tuple[str, str]]:
     """Fill ``node.meta["autoshard.strategies"]``; returns the (node, reason) fallbacks.
 
     ``memo`` (a dict kept with the graph: ``TracedModel.strategy_memo``) holds each mesh shape's
     result, so planning the same graph again on a mesh of that shape (a baseline, another logical
     mesh, another memory cap) does not enumerate again: strategies depend on the mesh's shape only,
-    and on ``moe_imbalance`` (the load expert-parallel strategies are priced at; part of the key)."""
-    if not (isinstance(moe_imbalance, (int, float)) and moe_imbalance >= 1.0):
-        raise ConstraintError(f"moe_imbalance is the busiest expert-parallel rank's received rows over an even "
-                              f"share: a number >= 1.0, not {moe_imbalance!r}")
+    and on ``moe_imbalance`` and ``moe_capacity`` (the load expert-parallel strategies are priced
+    at, and the receive buffer they hold; part of the key)."""
+    _check_moe(moe_imbalance, moe_capacity)
     mesh_shape = tuple(mesh.shape)
-    key = mesh_shape if moe_imbalance == 1.0 else (mesh_shape, float(moe_imbalance))
+    key = (mesh_shape if (moe_imbalance, moe_capacity) == (1.0, None)
+           else (mesh_shape, float(moe_imbalance), moe_capacity and float(moe_capacity)))
     if memo is not None and key in memo:
         found, fallbacks = memo[key]
         for node, ns in found.items():
             node.meta[META_KEY] = ns
     else:
         with _torch.unpriced_strategies():
-            fallbacks = _enumerate_graph(gm, mesh, mesh_shape, moe_imbalance)
+            fallbacks = _enumerate_graph(gm, mesh, mesh_shape, moe_imbalance, moe_capacity)
         if memo is not None:
             while len(memo) >= MEMO_SHAPES:
                 memo.pop(next(iter(memo)))
@@ -151,7 +151,19 @@ def find_strategies(gm: fx.GraphModule, mesh, *, strict: bool = False, memo: dic
 MEMO_SHAPES = 8   # mesh shapes a memo keeps (a plan over logical meshes tries a handful)
 
 
-def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape, moe_imbalance: float = 1.0) -> list[tuple[str, str]]:
+def _check_moe(imbalance, capacity) -> None:
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    if not (number(imbalance) and imbalance >= 1.0):
+        raise ConstraintError(f"moe_imbalance is the busiest expert-parallel rank's received rows over an even "
+                              f"share: a number >= 1.0, not {imbalance!r}")
+    if capacity is not None and not (number(capacity) and capacity >= imbalance):
+        raise ConstraintError(f"moe_capacity is the rows an expert-parallel rank's receive buffer holds over its own "
+                              f"rows: None (every rank's rows) or a number >= moe_imbalance ({imbalance:g}), since "
+                              f"the busiest rank receives that many; not {capacity!r}")
+
+
+def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape, moe_imbalance: float = 1.0,
+                     moe_capacity: float | None = None) -> list[tuple[str, str]]:
     find_regions(gm)
     rep = tuple([Replicate()] * mesh.ndim)
     cache: dict = {}
@@ -192,7 +204,7 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape, moe_imbalance: float 
                      for outs, ins in token_local_strategies(fact, mesh.ndim) if _keep(node, outs, ins, mesh_shape)]
             # ... or expert-parallel: each rank holds some experts and receives their rows
             extra += [Strategy(outs, ins, _shards(outs, ins, mesh_shape), imbalance, variant)
-                      for outs, ins, imbalance, variant in ep_strategies(node, fact, mesh_shape, moe_imbalance)
+                      for outs, ins, imbalance, variant in ep_strategies(node, fact, mesh_shape, moe_imbalance, moe_capacity)
                       if _keep(node, outs, ins, mesh_shape)]
             strategies = sorted(dict.fromkeys([*strategies, *extra]), key=str)
             if extra:
@@ -202,6 +214,12 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape, moe_imbalance: float 
         if reason is not None:
             fallbacks.append((node.name, reason))
         node.meta[META_KEY] = NodeStrategies(strategies, reason)
+    if moe_capacity is not None:
+        dropless = {f.seed: f.dropless for n in gm.graph.nodes
+                    if (f := n.meta.get(REGION_KEY)) is not None and f.dropless is not None}
+        for seed, why in dropless.items():
+            warnings.warn(f"autoshard: the MoE dispatch sorted at {seed} keeps a receive buffer for every rank's "
+                          f"rows if it runs expert-parallel, whatever moe_capacity says: {why}", stacklevel=3)
     for seed, name in unsplit.items():   # the tie then keeps the whole region global
         warnings.warn(f"autoshard: the MoE dispatch sorted at {seed} stays replicated on mesh {mesh_shape}: "
                       f"{name}'s tokens do not split evenly over any of its dims", stacklevel=3)

@@ -170,6 +170,7 @@ from autoshard.passes import rules
 from autoshard.passes.annotate import META_KEY as COST_KEY, is_free, tensor_bytes
 from autoshard.passes.coarsen import LAYER_KEY
 from autoshard.passes.graph import META_KEY, per_strategy_list, tensor_inputs, value_of
+from autoshard.passes.regions import held_fraction, moved_tensors
 
 FORWARD = -1   # the forward pass's moment, beside backward's phases 0, 1, ...
 
@@ -241,8 +242,19 @@ def _outputs_bytes(node: fx.Node) -> list[float]:
 
 def _local_outputs(node: fx.Node, mesh_shape) -> list[float]:
     sizes = _outputs_bytes(node)
+    moves = moved_tensors(node)
     return [sum(costmodel.local_bytes(b, s.outputs[k] if k < len(s.outputs) else None, mesh_shape)
-                for k, b in enumerate(sizes)) for s in node.meta[META_KEY].strategies]
+                * _held(moves, 0, k, s, mesh_shape) for k, b in enumerate(sizes))
+            for s in node.meta[META_KEY].strategies]
+
+
+def _held(moves, side: int, k: int, s, mesh_shape) -> float:
+    """Of the size ``s``'s placements give the ``k``-th output (side 0) or input (side 1): the
+    part a rank holds. Routed rows an expert-parallel strategy receives fill a buffer of its
+    capacity, which may be less than the replicated size its placement says."""
+    if moves is None or k >= len(moves[side]) or not moves[side][k]:
+        return 1.0
+    return held_fraction(s, mesh_shape)
 
 
 def _producer(node: fx.Node) -> fx.Node:
@@ -359,10 +371,12 @@ def _working_sets(mm: MemoryModel, traced, problem, mesh_shape) -> None:
                             if not (_base(a) in stateful or backward and _phase(_base(a)) == "fwd"))
             outs = tuple(_outputs_bytes(v))
             held = rules.HELD.get(v.target)
+            moves = moved_tensors(v)
             mm.work[v] = list(per_strategy_list(cache, strategies, (outs, counted), lambda: [
                 sum(costmodel.local_bytes(b, s.outputs[k] if k < len(s.outputs) else None, mesh_shape)
-                    for k, b in enumerate(outs))
-                + sum(costmodel.local_bytes(b, s.inputs[k], mesh_shape) for k, b in counted)
+                    * _held(moves, 0, k, s, mesh_shape) for k, b in enumerate(outs))
+                + sum(costmodel.local_bytes(b, s.inputs[k], mesh_shape) * _held(moves, 1, k, s, mesh_shape)
+                      for k, b in counted)
                 + (held(v, s, mesh_shape) if held is not None else 0.0)
                 for s in strategies]))
 

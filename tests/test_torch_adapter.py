@@ -156,3 +156,32 @@ def test_pyproject_asks_for_the_supported_range():
     (spec,) = [d for d in project["dependencies"] if re.match(r"torch\b", d)]
     (lo_major, lo), (hi_major, hi) = _torch.SUPPORTED
     assert spec.replace(" ", "") == f"torch>={lo_major}.{lo},<{hi_major}.{hi + 1}", spec
+
+
+def test_grouped_mm_any_float_is_scoped():
+    """Fake tensors multiply float32 grouped GEMMs inside the context, with the shape the CPU
+    kernel gives, and bfloat16 ones as torch does; outside, afterwards, torch's meta kernel
+    answers float32 as it did before (2.11 to 2.13 refuse it, 2.15 accepts it): the result cache
+    made inside answers nothing later."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w = torch.randn(10, 8), torch.randn(3, 8, 16)
+    offs = torch.tensor([2, 7, 10], dtype=torch.int32)
+    want = torch._grouped_mm(x, w, offs=offs).shape
+
+    def fake(dtype):
+        mode = FakeTensorMode()
+        a, b, o = (mode.from_tensor(t) for t in (x.to(dtype), w.to(dtype), offs))
+        with mode:
+            return torch._grouped_mm(a, b, offs=o).shape
+
+    def torchs_own():
+        try:
+            return fake(torch.float32)
+        except RuntimeError as e:
+            return str(e)
+
+    before = torchs_own()
+    with _torch.grouped_mm_any_float():
+        assert fake(torch.float32) == want and fake(torch.bfloat16) == want
+    assert torchs_own() == before

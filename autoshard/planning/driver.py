@@ -62,7 +62,8 @@ def accumulation(k) -> dict:
 
 
 def prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mixed_precision=None,
-             progress: Progress | None = None, device=None, moe_imbalance: float = 1.0):
+             progress: Progress | None = None, device=None, moe_imbalance: float = 1.0,
+            moe_capacity: float | None = None):
     progress = progress or Progress(False)
     if isinstance(model_or_traced, TracedModel):
         traced = model_or_traced
@@ -75,7 +76,7 @@ def prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mix
     mesh = _torch.planning_mesh(cluster.mesh_shape, cluster.mesh_dim_names)
     with progress.stage("strategies"):
         fallbacks = find_strategies(traced.gm, mesh, strict=strict, memo=traced.strategy_memo,
-                                    moe_imbalance=moe_imbalance)
+                                    moe_imbalance=moe_imbalance, moe_capacity=moe_capacity)
         gaps = report_gaps(coverage_gaps(traced.gm, tuple(cluster.mesh_shape)), strict=strict)
     return traced, fallbacks, gaps
 

@@ -145,6 +145,15 @@ class Plan:
         if mine.mesh_shape != theirs.mesh_shape:
             raise PlanMismatchError(f"this plan is for mesh {mine.mesh_shape}, the cluster given has {theirs.mesh_shape}")
 
+    @property
+    def moe_capacity(self) -> float | None:
+        """The receive buffer its expert-parallel strategies hold, in a rank's own rows (their
+        variant ``ep<d>@<c>``); None where they hold every rank's rows, or where none runs."""
+        from autoshard.passes.regions import parse_ep
+
+        found = {ep[1] for n in self.nodes if (ep := parse_ep(n.strategy.rsplit(" ", 1)[-1])) is not None}
+        return max(found - {None}, default=None)
+
     def check_backend(self, backend: str) -> None:
         if backend != self.backend:
             raise PlanMismatchError(f"this plan was priced for the {self.backend!r} backend, not {backend!r} (fused "
