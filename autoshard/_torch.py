@@ -196,9 +196,9 @@ def joint_export(model: torch.nn.Module, args: tuple[Any, ...], user_frame: Call
 def grouped_mm_any_float():
     """Inside, fake tensors run ``aten._grouped_mm`` in any floating dtype. torch's meta kernel
     accepts bfloat16 only up to 2.13 (2.15 accepts float32), while its CPU kernel multiplies
-    float32 too, so a float32 model with grouped GEMMs could run but not be traced. Fake tensors consult a list of op implementations
-    before an op's meta kernel: the one added there gives other dtypes the output torch's meta
-    code builds for bfloat16, and leaves bfloat16 to torch. On exit it is removed, and the fake
+    float32 too, so a float32 model with grouped GEMMs could run but not be traced. Fake tensors
+    consult a list of op implementations before an op's meta kernel: the one added there gives
+    other dtypes the output torch's meta code builds for bfloat16, and leaves bfloat16 to torch. On exit it is removed, and the fake
     tensors' shared cache of op results is emptied, so that no float32 result made here answers
     a later call outside."""
     from torch import _meta_registrations as metas

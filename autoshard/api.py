@@ -61,8 +61,8 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     (>= ``moe_imbalance``): the rows each rank's receive buffer holds, over its own routed rows;
     a step whose routing sends a rank more raises :class:`~autoshard.errors.CapacityError` on
     every rank of its expert-parallel group at once (with other mesh dims, the other groups' ranks
-    then fail at their next collective with those). Default None: the buffer holds every rank's rows, so nothing can overflow it, and
-    is counted at that size.
+    then fail at their next collective with those). Default None: the buffer holds every rank's
+    rows, so nothing can overflow it, and is counted at that size.
 
     ``backend``: what will run the program, "eager" (op by op) or "inductor" (compiled, elementwise
     chains fused), which prices each op (the plan records it and runs only under it)."""

@@ -204,7 +204,8 @@ def _enumerate_graph(gm: fx.GraphModule, mesh, mesh_shape, moe_imbalance: float 
                      for outs, ins in token_local_strategies(fact, mesh.ndim) if _keep(node, outs, ins, mesh_shape)]
             # ... or expert-parallel: each rank holds some experts and receives their rows
             extra += [Strategy(outs, ins, _shards(outs, ins, mesh_shape), imbalance, variant)
-                      for outs, ins, imbalance, variant in ep_strategies(node, fact, mesh_shape, moe_imbalance, moe_capacity)
+                      for outs, ins, imbalance, variant
+                      in ep_strategies(node, fact, mesh_shape, moe_imbalance, moe_capacity)
                       if _keep(node, outs, ins, mesh_shape)]
             strategies = sorted(dict.fromkeys([*strategies, *extra]), key=str)
             if extra:

@@ -23,8 +23,8 @@ With a capacity ``c`` (``plan(..., moe_capacity=c)``, variant ``ep<d>@<c>``) it 
 the rank's own rows; a step whose routing sends any rank more raises
 :class:`~autoshard.errors.CapacityError` on every rank of the dim's group (each knows every
 rank's counts there; the ranks of other groups, on a mesh of several dims, fail at their next
-collective with them). The
-planner counts the buffer at its size either way (``regions.held_fraction``).
+collective with them). The planner counts the buffer at its size either way
+(``regions.held_fraction``).
 
 Prices (:func:`exchange_time`): each exchange is the counts' all-gather, the host sync
 (:data:`HOST_SYNC_S`) and the rows' all-to-all over the dim's links, the busiest receiver taking
