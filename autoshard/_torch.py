@@ -198,18 +198,20 @@ def grouped_mm_any_float():
     accepts bfloat16 only up to 2.13 (2.15 accepts float32), while its CPU kernel multiplies
     float32 too, so a float32 model with grouped GEMMs could run but not be traced. Fake tensors
     consult a list of op implementations before an op's meta kernel: the one added there gives
-    other dtypes the output torch's meta code builds for bfloat16, and leaves bfloat16 to torch. On exit it is removed, and the fake
-    tensors' shared cache of op results is emptied, so that no float32 result made here answers
-    a later call outside."""
+    other dtypes the output torch's meta code builds for bfloat16, and leaves bfloat16 to torch.
+    On exit it is removed; where it answered, the fake tensors' shared cache of op results is
+    emptied too, so that no float32 result made here answers a later call outside."""
     from torch import _meta_registrations as metas
     from torch._subclasses import fake_impls
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
     op = torch.ops.aten._grouped_mm.default
+    used = []
 
     def impl(mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         if mat_a.dtype == torch.bfloat16 or offs is None or bias is not None or mat_a.dtype != mat_b.dtype:
             return NotImplemented     # torch's meta kernel: its checks and its errors
+        used.append(True)
         with in_kernel_invocation_manager(mode):
             out = metas._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
         return FakeTensor(mode, out, mat_a.device)
@@ -220,7 +222,8 @@ def grouped_mm_any_float():
         yield
     finally:
         fake_impls.op_implementations_checks.remove(entry)
-        FakeTensorMode.cache_clear()
+        if used:   # only then can the cache hold a result torch's own kernel would not give
+            FakeTensorMode.cache_clear()
 
 
 @contextlib.contextmanager
