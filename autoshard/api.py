@@ -126,9 +126,10 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         raise TraceError("autoshard.compile needs the model's parameter values; a model on 'meta' can be planned "
                          "(autoshard.plan) but must be materialized (e.g. to_empty + init) before compile")
     if plan is not None and (constraints is not None or memory_limit is not None or recompute is not True
-                             or allow is not None):
+                             or allow is not None or moe_imbalance != 1.0):
         raise ConstraintError("compile(plan=...) runs the given plan as it is; constraints, memory_limit, "
-                              "recompute and allow only apply when planning: re-plan with them, or drop them")
+                              "recompute, allow and moe_imbalance only apply when planning: re-plan with them, "
+                              "or drop them")
     if plan is not None and tuple(plan.mesh_shape) != tuple(cluster.mesh_shape) \
             and math.prod(plan.mesh_shape) == cluster.world_size:
         # a plan made on a logical mesh (autoshard.planning.meshes) runs on that grid of the same devices

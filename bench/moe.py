@@ -27,7 +27,7 @@ import torch
 
 import autoshard
 from autoshard.errors import AutoshardError
-from autoshard.passes.regions import ep_dim, parse_ep
+from autoshard.passes.regions import ep_dim
 from autoshard.planning.baselines import plan_baseline
 
 SEQ = 4096
@@ -49,8 +49,7 @@ def model(name: str, batch: int):
 
 def _ep_dims(plan) -> dict[str, int]:
     """Mesh dim name -> the MoE ops the plan runs expert-parallel over it."""
-    eps = (parse_ep(n.strategy.rsplit(" ", 1)[-1]) for n in plan.nodes)
-    counts = collections.Counter(ep[0] for ep in eps if ep is not None)
+    counts = collections.Counter(d for d, _ in plan.expert_parallel().values())
     return {plan.mesh_dim_names[d]: k for d, k in counts.items()}
 
 

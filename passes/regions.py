@@ -464,10 +464,6 @@ _WAIT_ON_BUSIEST = (aten._grouped_mm.default, aten.index.Tensor, aten.index_put.
 EP = "ep"
 
 
-def _ep_variant(strategy) -> tuple[int, float | None] | None:
-    return parse_ep(strategy.variant)
-
-
 def parse_ep(v: str) -> tuple[int, float | None] | None:
     """(mesh dim, capacity or None) of an expert-parallel variant; None for any other."""
     if not v.startswith(EP):
@@ -478,14 +474,14 @@ def parse_ep(v: str) -> tuple[int, float | None] | None:
 
 def ep_dim(strategy) -> int | None:
     """The mesh dim over which ``strategy`` runs its region expert-parallel, if it does."""
-    ep = _ep_variant(strategy)
+    ep = parse_ep(strategy.variant)
     return None if ep is None else ep[0]
 
 
 def ep_capacity(strategy) -> float | None:
     """The receive buffer of an expert-parallel ``strategy`` in the rank's own rows (None: every
     rank's rows, dropless; also for a strategy that is not expert-parallel)."""
-    ep = _ep_variant(strategy)
+    ep = parse_ep(strategy.variant)
     return None if ep is None else ep[1]
 
 
@@ -500,7 +496,7 @@ def received_rows(own: int, ranks: int, capacity: float | None) -> int:
 def held_fraction(strategy, mesh_shape) -> float:
     """A moved tensor's size under ``strategy`` over the size its placements give (replicated on
     the expert-parallel dim): its capacity over the dim's ranks; 1 when dropless."""
-    ep = _ep_variant(strategy)
+    ep = parse_ep(strategy.variant)
     return 1.0 if ep is None else _held(*ep, mesh_shape)
 
 

@@ -25,8 +25,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "world(n): test launches n local ranks via autoshard.launch")
 
 
-# `make test` runs the tests marked `world` one at a time and the rest on pytest-xdist workers: a
-# test that launches ranks without the marker would run its ranks beside another worker's test.
+# The quick lanes (`make test-fast`, `-m "not world"`) leave out the tests marked `world`: a test
+# that launches ranks without the marker would slip its ranks into them.
 _item = [None]
 
 

@@ -2,10 +2,10 @@
 process or a later one, after other models and meshes were planned, in a fresh process (other
 addresses, another PYTHONHASHSEED), and with sets of graph nodes iterating in another order.
 
-Most cases plan under a binding memory cap, the 1-D ones at the tightest cap of a sweep (0.6x per
-step down from the free plan's peak), where ties between equally fast plans are most numerous:
-the 4-layer Llama there is the model whose plans once differed between the first call in a
-process and later ones."""
+Most cases plan under a binding memory cap (tests/determinism_cases.py), where ties between
+equally fast plans are most numerous; the 4-layer Llama at the tightest cap of a sweep (0.6x per
+step down from the free plan's peak): it is the model whose plans once differed between the
+first call in a process and later ones."""
 
 import os
 import subprocess

@@ -304,6 +304,20 @@ def test_a_plan_records_its_capacity_and_holds_less(traced):
     assert dropless.moe_capacity is None and capped.moe_capacity == 1.0
     assert capped.saved_for_backward < dropless.saved_for_backward
     assert capped.peak_memory <= dropless.peak_memory
+    # compile runs a plan as it is: the load the planner priced with is a planning option, and a
+    # capacity other than the plan's is refused (a fake group: both fail before any tracing)
+    import torch.distributed as dist
+    from autoshard.errors import ConstraintError
+
+    model, inputs = ec.model_and_inputs()
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        with pytest.raises(ConstraintError, match="moe_imbalance only apply when planning"):
+            autoshard.compile(model, cluster, inputs, plan=capped, moe_imbalance=1.5)
+        with pytest.raises(ConstraintError, match="holds moe_capacity=1.0, not 1.5"):
+            autoshard.compile(model, cluster, inputs, plan=capped, moe_capacity=1.5)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_moe_capacity_is_checked(traced):

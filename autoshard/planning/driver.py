@@ -62,7 +62,7 @@ def accumulation(k) -> dict:
 
 
 def prepare(model_or_traced, cluster: Cluster, example_inputs, strict: bool, mixed_precision=None,
-             progress: Progress | None = None, device=None, moe_imbalance: float = 1.0,
+            progress: Progress | None = None, device=None, moe_imbalance: float = 1.0,
             moe_capacity: float | None = None):
     progress = progress or Progress(False)
     if isinstance(model_or_traced, TracedModel):

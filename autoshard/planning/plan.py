@@ -145,14 +145,19 @@ class Plan:
         if mine.mesh_shape != theirs.mesh_shape:
             raise PlanMismatchError(f"this plan is for mesh {mine.mesh_shape}, the cluster given has {theirs.mesh_shape}")
 
-    @property
-    def moe_capacity(self) -> float | None:
-        """The receive buffer its expert-parallel strategies hold, in a rank's own rows (their
-        variant ``ep<d>@<c>``); None where they hold every rank's rows, or where none runs."""
+    def expert_parallel(self) -> dict[str, tuple[int, float | None]]:
+        """Node -> (mesh dim, capacity) of each op the plan runs expert-parallel: its strategy's
+        variant ``ep<d>`` or ``ep<d>@<c>`` (capacity None: the dropless buffer)."""
         from autoshard.passes.regions import parse_ep
 
-        found = {ep[1] for n in self.nodes if (ep := parse_ep(n.strategy.rsplit(" ", 1)[-1])) is not None}
-        return max(found - {None}, default=None)
+        eps = {n.name: parse_ep(n.strategy.rsplit(" ", 1)[-1]) for n in self.nodes}
+        return {name: ep for name, ep in eps.items() if ep is not None}
+
+    @property
+    def moe_capacity(self) -> float | None:
+        """The receive buffer its expert-parallel strategies hold, in a rank's own rows; None
+        where they hold every rank's rows, or where none runs."""
+        return max({c for _, c in self.expert_parallel().values()} - {None}, default=None)
 
     def check_backend(self, backend: str) -> None:
         if backend != self.backend:

@@ -51,13 +51,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, backend, pg_timeout, q, fn, args):
+def _worker(rank, world_size, backend, pg_timeout, q, environ, fn, args):
     status, payload, inited = "init_error", "", False
     try:
+        # a rank forks from the server (below), not from the caller: it takes the caller's
+        # environment as it is now, as a spawned process would
+        os.environ.clear()
+        os.environ.update(environ)
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
         inited, status = True, "error"
@@ -72,19 +76,20 @@ def _worker(rank, world_size, backend, pg_timeout, q, fn, args):
                 dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str]):
-    """Set env vars while children are spawned (they read e.g. OMP_NUM_THREADS at import)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+# Ranks fork from one server process that imported these once, instead of each importing torch
+# and autoshard anew (about 3 s of CPU per rank; a test suite starts hundreds of ranks). The
+# server starts on the first launch with the caller's environment; each rank then takes the
+# caller's environment, working directory and sys.path of its own launch.
+PRELOAD = ["torch", "torch.distributed", "autoshard.api", "autoshard.runtime.checkpoint"]
+
+
+def _context(start_method: str):
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method={start_method!r}: use 'forkserver' (the default) or 'spawn'")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _reap(procs, grace: float = 3.0) -> None:
@@ -137,26 +142,31 @@ def _died(exitcode: int) -> str:
 
 
 def run_local(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
-              pg_timeout: float = 120.0, env: dict[str, str] | None = None) -> list:
+              pg_timeout: float = 120.0, env: dict[str, str] | None = None,
+              start_method: str = "forkserver") -> list:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; return their results by rank.
 
     ``fn`` must be a picklable module-level function; the rank is
     ``torch.distributed.get_rank()``. ``timeout`` bounds the whole job, ``pg_timeout`` each
     collective. Raises DistributedRunError on any failure, after reaping every child.
+
+    ``env`` adds to the caller's environment. Ranks fork from a server that imported torch and
+    autoshard when the first launch started it, so variables those read at import (``TORCH_LOGS``)
+    keep that launch's values; ``start_method="spawn"`` starts every rank from a fresh
+    interpreter that reads them anew.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
     deadline = time.monotonic() + timeout
     for attempt in range(2):
         port, q, procs = free_port(), ctx.Queue(), []
         try:
             for rank in range(world_size):
-                child_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                             "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                             "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **(env or {})}
-                p = ctx.Process(target=_worker, args=(rank, world_size, backend, pg_timeout, q, fn, args),
+                environ = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                           "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                           "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **(env or {})}
+                p = ctx.Process(target=_worker, args=(rank, world_size, backend, pg_timeout, q, environ, fn, args),
                                 name=f"autoshard-rank{rank}", daemon=True)
-                with _environ(child_env):
-                    p.start()
+                p.start()
                 procs.append(p)
             results, errors = _collect(procs, q, deadline)
             if not errors and len(results) == world_size:
