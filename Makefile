@@ -41,8 +41,8 @@ demo: $(STAMP)
 # The whole suite runs on JOBS pytest-xdist workers, each test file on one worker (a file's module
 # fixtures launch their ranks once). A test that launches ranks leaves the cores idle about 40% of
 # its time (rank 0 solves while the others wait; the caller plans and checks), and the other
-# worker's tests fill it: 22 min for the suite against 27.6 min in two parts, ranks one test at a
-# time. PYTEST_ARGS, when given, runs just those, in one process.
+# worker's tests fill it (docs/testing.md: 22.1 min against 27.6 min in two parts, ranks one test
+# at a time). PYTEST_ARGS, when given, runs just those, in one process.
 JOBS ?= auto
 test: $(STAMP)
 ifeq ($(strip $(PYTEST_ARGS)),)

@@ -110,8 +110,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     ``reduce_dtype``. ``grad_accumulation=K`` (default: the given plan's, else 1): plan for K
     micro-batches per step, and move the gradients to storage only on every K-th backward (the
     others accumulate them unreduced; ``module.no_sync()`` does the same explicitly).
-    ``moe_imbalance`` and ``moe_capacity``: as for :func:`plan` (default capacity: the given
-    plan's).
+    ``moe_imbalance`` and ``moe_capacity``: as for :func:`plan`; with ``plan`` given, the
+    capacity is the plan's and the imbalance, a planning option, stays at its default.
 
     ``backend``: "eager" runs the forward and backward graphs op by op; "inductor" compiles
     each (``torch.compile``: C++ on CPU, Triton on GPU) on their first call, and the plan is

@@ -78,10 +78,12 @@ def cap(case: str, traced) -> float | None:
         return None
     factor, steps = sweep
     limit = autoshard.plan(traced, cluster(), **options).peak_memory
-    for _ in range(10**6 if steps is None else steps):
+    for step in range(10**6 if steps is None else steps):
         try:
             autoshard.plan(traced, cluster(), memory_limit=limit * factor, **options)
         except InfeasibleError:
+            if step == 0 or steps is not None:   # the case would plan free, or short of its sweep
+                raise
             break
         limit *= factor
     return limit

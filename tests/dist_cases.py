@@ -8,6 +8,7 @@ single device in this process: loss, every gradient, every parameter after the s
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -161,3 +162,23 @@ def mismatched_world_case() -> str:
     except autoshard.errors.ClusterError as exc:
         return f"ClusterError: {exc}"
     return "no error"
+
+
+def live_ranks() -> list[int]:
+    """Pids of rank processes still alive, or dead and unreaped, from this process's launches
+    (Linux /proc): its spawned children, the forkserver's children, zombies among its own."""
+    from multiprocessing import forkserver
+
+    me, server, live = os.getpid(), forkserver._forkserver._forkserver_pid, []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        ppid = int(ppid)
+        if (ppid == me and (state == "Z" or b"spawn_main" in cmd)) or (server is not None and ppid == server):
+            live.append(int(pid))
+    return live

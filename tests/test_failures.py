@@ -24,6 +24,7 @@ import torch.distributed as dist
 import autoshard
 from autoshard.runtime.launch import DistributedRunError, run_local
 from autoshard.zoo import MLP
+from dist_cases import live_ranks
 
 pytestmark = pytest.mark.world(2)
 
@@ -31,18 +32,28 @@ FSDP = {"inputs": [["S(0)"], ["S(0)"]], "*": ["S(0)"]}
 PG_TIMEOUT = 5.0
 
 
-def _compiled():
-    torch.manual_seed(0)
+def _batch():
     g = torch.Generator().manual_seed(1)
-    batch = (torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g))
-    dm = autoshard.compile(MLP(), autoshard.Cluster.local(dist.get_world_size()), batch, constraints=FSDP)
+    return torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)
+
+
+def _plan() -> str:
+    """Planned by the caller: a rank waiting on rank 0's solve would count against PG_TIMEOUT."""
+    return autoshard.plan(MLP(), autoshard.Cluster.local(2), _batch(), constraints=FSDP).to_json()
+
+
+def _compiled(plan: str):
+    torch.manual_seed(0)
+    batch = _batch()
+    dm = autoshard.compile(MLP(), autoshard.Cluster.local(dist.get_world_size()), batch,
+                           plan=autoshard.Plan.from_json(plan))
     return dm, torch.optim.SGD(dm.parameters(), lr=0.1), dm.shard_inputs(*batch)
 
 
-def _train_until_peer_fails(tmp: str, on_rank1) -> None:
+def _train_until_peer_fails(tmp: str, plan: str, on_rank1) -> None:
     """Step 1 on both ranks; in step 2 rank 1 calls ``on_rank1`` after its forward, while rank 0
     keeps stepping. Rank 0 records what it raised (and when) in ``tmp``, then re-raises."""
-    dm, opt, local = _compiled()
+    dm, opt, local = _compiled(plan)
     loss = dm(*local)
     loss.backward()
     opt.step()
@@ -74,31 +85,24 @@ def _stop_answering():
     time.sleep(3600)
 
 
-def killed_rank_job(tmp: str) -> None:
-    _train_until_peer_fails(tmp, _sigkill_self)
+def killed_rank_job(tmp: str, plan: str) -> None:
+    _train_until_peer_fails(tmp, plan, _sigkill_self)
 
 
-def stuck_rank_job(tmp: str) -> None:
-    _train_until_peer_fails(tmp, _stop_answering)
+def stuck_rank_job(tmp: str, plan: str) -> None:
+    _train_until_peer_fails(tmp, plan, _stop_answering)
 
 
 def _assert_reaped():
     assert multiprocessing.active_children() == []
-    if os.path.isdir("/proc"):  # no zombie children either
-        me = os.getpid()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-            except OSError:
-                continue
-            assert not (int(ppid) == me and state == "Z"), f"unreaped child {pid}"
+    if os.path.isdir("/proc"):  # no rank left alive, no zombie either
+        assert live_ranks() == []
 
 
 def test_killed_rank_fails_the_run_and_all_processes_are_reaped(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_local(killed_rank_job, 2, str(tmp_path), timeout=60, pg_timeout=30)
+        run_local(killed_rank_job, 2, str(tmp_path), _plan(), timeout=60, pg_timeout=30)
     assert time.monotonic() - t0 < 60
     err = info.value
     assert 1 in err.errors or 1 in err.missing, str(err)
@@ -114,7 +118,7 @@ def test_killed_rank_fails_the_run_and_all_processes_are_reaped(tmp_path):
 def test_stuck_rank_times_out_after_pg_timeout_and_all_processes_are_reaped(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_local(stuck_rank_job, 2, str(tmp_path), timeout=60, pg_timeout=PG_TIMEOUT)
+        run_local(stuck_rank_job, 2, str(tmp_path), _plan(), timeout=60, pg_timeout=PG_TIMEOUT)
     elapsed = time.monotonic() - t0
     assert elapsed < 60
     err = info.value

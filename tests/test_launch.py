@@ -10,16 +10,17 @@ import torch
 import torch.distributed as dist
 
 from autoshard.runtime.launch import DistributedRunError, free_port, run_local
+from dist_cases import live_ranks
 
 pytestmark = pytest.mark.world(2)
 
 
 # What a timeout that fired may take beyond its deadline: killing and reaping two ranks, on a
-# 2-core machine that other jobs load (the deadline itself counts from the launch, spawn included)
+# 2-core machine that other jobs load (the deadline itself counts from the launch, the ranks' start included)
 SLACK = 30
 
 
-# Job functions run in spawned children: module level, so they pickle by name.
+# Job functions run in the ranks: module level, so they pickle by name.
 def allreduce_job(base):
     rank = dist.get_rank()
     t = torch.tensor([base + rank, 10.0 * (rank + 1)])
@@ -62,26 +63,14 @@ def sleep_job():
     time.sleep(3600)
 
 
-def _live_spawned_children():
-    """Pids of our child processes that are rank workers or unreaped zombies (Linux /proc)."""
-    me, live = os.getpid(), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if int(ppid) == me and (state == "Z" or b"spawn_main" in cmd):
-            live.append(int(pid))
-    return live
+def env_job():
+    return os.environ.get("AUTOSHARD_TEST_LAUNCH"), os.environ.get("AUTOSHARD_TEST_EXTRA"), os.environ["RANK"]
 
 
 def _assert_reaped():
     assert multiprocessing.active_children() == []
     if os.path.isdir("/proc"):
-        assert _live_spawned_children() == []
+        assert live_ranks() == []
 
 
 def test_free_port():
@@ -151,4 +140,18 @@ def test_retries_once_when_port_in_use(monkeypatch):
         monkeypatch.setattr(launch, "free_port", lambda: ports.pop() if ports else free_port())
         out = run_local(allreduce_job, 2, 1.0, timeout=120, pg_timeout=30)
     assert not ports and [r[3] for r in out] == [[3.0, 30.0]] * 2
+    _assert_reaped()
+
+
+def test_each_start_method_gives_the_callers_environment(monkeypatch):
+    """Forked from the server (started by an earlier launch, with another environment) or
+    spawned, a rank sees the caller's environment as it is at this launch, plus ``env``."""
+    monkeypatch.delenv("AUTOSHARD_TEST_LAUNCH", raising=False)
+    assert run_local(env_job, 2, timeout=120) == [(None, None, str(r)) for r in range(2)]   # the server runs
+    monkeypatch.setenv("AUTOSHARD_TEST_LAUNCH", "caller")
+    for how in ("forkserver", "spawn"):
+        out = run_local(env_job, 2, timeout=120, env={"AUTOSHARD_TEST_EXTRA": how}, start_method=how)
+        assert out == [("caller", how, str(r)) for r in range(2)], (how, out)
+    with pytest.raises(ValueError, match="start_method='fork'"):
+        run_local(env_job, 2, start_method="fork")
     _assert_reaped()

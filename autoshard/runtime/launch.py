@@ -7,7 +7,7 @@ failed and why. Example::
     import torch, torch.distributed as dist
     from autoshard.runtime.launch import run_local
 
-    def job(scale):                     # module level, so spawn children can import it
+    def job(scale):                     # module level, so the ranks can import it
         t = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(t)
         return scale * t.item()
@@ -51,13 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, backend, pg_timeout, q, environ, fn, args):
+def _worker(rank, world_size, backend, pg_timeout, q, environ, job):
     status, payload, inited = "init_error", "", False
     try:
         # a rank forks from the server (below), not from the caller: it takes the caller's
-        # environment as it is now, as a spawned process would
+        # environment as it is now, as a spawned process would, before the job's module imports
         os.environ.clear()
         os.environ.update(environ)
+        fn, args = pickle.loads(job)
         import torch
         import torch.distributed as dist
 
@@ -78,8 +79,8 @@ def _worker(rank, world_size, backend, pg_timeout, q, environ, fn, args):
 
 # Ranks fork from one server process that imported these once, instead of each importing torch
 # and autoshard anew (about 3 s of CPU per rank; a test suite starts hundreds of ranks). The
-# server starts on the first launch with the caller's environment; each rank then takes the
-# caller's environment, working directory and sys.path of its own launch.
+# server starts on the first launch; each rank then takes the environment, working directory and
+# sys.path of its own launch, but shares the server's hash seed and the modules it imported.
 PRELOAD = ["torch", "torch.distributed", "autoshard.api", "autoshard.runtime.checkpoint"]
 
 
@@ -90,6 +91,18 @@ def _context(start_method: str):
     if start_method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """Set env vars while a rank is spawned: a fresh interpreter reads some at start."""
+    old = os.environ.copy()
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
 
 
 def _reap(procs, grace: float = 3.0) -> None:
@@ -144,18 +157,20 @@ def _died(exitcode: int) -> str:
 def run_local(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
               pg_timeout: float = 120.0, env: dict[str, str] | None = None,
               start_method: str = "forkserver") -> list:
-    """Run ``fn(*args)`` on ``world_size`` spawned ranks; return their results by rank.
+    """Run ``fn(*args)`` on ``world_size`` local ranks; return their results by rank.
 
     ``fn`` must be a picklable module-level function; the rank is
     ``torch.distributed.get_rank()``. ``timeout`` bounds the whole job, ``pg_timeout`` each
     collective. Raises DistributedRunError on any failure, after reaping every child.
 
     ``env`` adds to the caller's environment. Ranks fork from a server that imported torch and
-    autoshard when the first launch started it, so variables those read at import (``TORCH_LOGS``)
-    keep that launch's values; ``start_method="spawn"`` starts every rank from a fresh
-    interpreter that reads them anew.
+    autoshard when the first launch started it: variables read when the interpreter starts
+    (``PYTHONHASHSEED``) or those modules import (``TORCH_LOGS``) keep that launch's values, and
+    every rank has the server's hash seed. ``start_method="spawn"`` starts each rank from a fresh
+    interpreter (about 1.5 s more per launch) that reads them anew.
     """
     ctx = _context(start_method)
+    job = pickle.dumps((fn, args))   # loaded in the rank once its environment is in place
     deadline = time.monotonic() + timeout
     for attempt in range(2):
         port, q, procs = free_port(), ctx.Queue(), []
@@ -164,9 +179,10 @@ def run_local(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
                 environ = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                            "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **(env or {})}
-                p = ctx.Process(target=_worker, args=(rank, world_size, backend, pg_timeout, q, environ, fn, args),
+                p = ctx.Process(target=_worker, args=(rank, world_size, backend, pg_timeout, q, environ, job),
                                 name=f"autoshard-rank{rank}", daemon=True)
-                p.start()
+                with _environ(environ) if start_method == "spawn" else contextlib.nullcontext():
+                    p.start()
                 procs.append(p)
             results, errors = _collect(procs, q, deadline)
             if not errors and len(results) == world_size:
