@@ -52,13 +52,14 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, backend, pg_timeout, q, environ, job):
-    status, payload, inited = "init_error", "", False
+    status, payload, inited = "load_error", "", False
     try:
         # a rank forks from the server (below), not from the caller: it takes the caller's
         # environment as it is now, as a spawned process would, before the job's module imports
         os.environ.clear()
         os.environ.update(environ)
         fn, args = pickle.loads(job)
+        status = "init_error"
         import torch
         import torch.distributed as dist
 
@@ -200,7 +201,8 @@ def run_local(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
     name = getattr(fn, "__qualname__", repr(fn))
     lines = [f"run_local({name}, world_size={world_size}) failed:"]
     for r, (status, text) in sorted(errors.items()):
-        what = {"init_error": "failed in init_process_group", "died": "died"}.get(status, "raised")
+        what = {"load_error": "could not load the job (its module must import in a fresh process)",
+                "init_error": "failed in init_process_group", "died": "died"}.get(status, "raised")
         lines.append(f"--- rank {r} {what}:\n{text.rstrip()}")
     if missing:
         why = f"timed out after {timeout:g}s" if not errors else "were terminated"
