@@ -159,12 +159,15 @@ def test_each_start_method_gives_the_callers_environment(monkeypatch):
 
 def test_a_job_that_cannot_load_in_the_rank_is_named(tmp_path, monkeypatch):
     """The job's module imports in the caller but not in the ranks (its folder is gone from the
-    path they take): each rank says it could not load the job, not that the group failed."""
+    path they take): the rank says it could not load the job, not that the group failed."""
     (tmp_path / "vanishing_job.py").write_text("def job():\n    return 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     import vanishing_job
 
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p != str(tmp_path)])
-    with pytest.raises(DistributedRunError, match="rank 0 could not load the job"):
+    with pytest.raises(DistributedRunError, match=r"rank \d could not load the job") as err:
         run_local(vanishing_job.job, 2, timeout=60)
+    assert "init_process_group" not in str(err.value)
+    # both fail at once: the grace after the first report names the other too
+    assert set(err.value.errors) == {0, 1}, err.value
     _assert_reaped()

@@ -134,20 +134,30 @@ def _collect(procs, q, deadline):
                     if now - dead_since.setdefault(r, now) > 1.0:
                         errors[r] = ("died", _died(p.exitcode))
             continue
-        if status == "ok":
-            results[rank] = pickle.loads(payload)
-        else:
-            errors[rank] = (status, payload)
-    if errors:  # a rank's "connection reset" is often the echo of a peer that crashed: name it too
+        _record(results, errors, rank, status, payload)
+    if errors:  # a rank's "connection reset" is often the echo of a peer that crashed, and a
+        # fault in the job itself reaches every rank at once: a second's grace names them too
         end = min(deadline, time.monotonic() + 1.0)
         while True:
+            try:
+                rank, status, payload = q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+            else:
+                _record(results, errors, rank, status, payload)
             for r, p in enumerate(procs):
                 if r not in results and r not in errors and p.exitcode not in (None, 0):
                     errors[r] = ("died", _died(p.exitcode))
             if time.monotonic() >= end or len(results) + len(errors) == len(procs):
                 break
-            time.sleep(0.05)
     return results, errors
+
+
+def _record(results, errors, rank, status, payload) -> None:
+    if status == "ok":
+        results[rank] = pickle.loads(payload)
+    else:
+        errors[rank] = (status, payload)
 
 
 def _died(exitcode: int) -> str:
