@@ -116,6 +116,11 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     ``backend``: "eager" runs the forward and backward graphs op by op; "inductor" compiles
     each (``torch.compile``: C++ on CPU, Triton on GPU) on their first call, and the plan is
     priced for fused kernels. Default: the given plan's, else "eager"."""
+    from autoshard.planning.pipeline import PipelinePlan
+
+    if isinstance(plan, PipelinePlan):
+        raise ConstraintError("pipeline plans are priced, not run yet: compile takes a Plan without stages "
+                              "(autoshard.plan, or a baseline other than fsdp_tp_pp)")
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterError("autoshard.compile needs an initialized process group (torch.distributed."
                            "init_process_group, or launch with torchrun); use autoshard.plan to plan without one")

@@ -466,7 +466,7 @@ def _shared_memory(problem: Problem, mm, rep: dict, r):
         copies[r(v)] = copies.get(r(v), 0) + 1
     m = MemoryModel(mm.limit, recompute_all=mm.recompute_all, mesh_shape=mm.mesh_shape, block=dict(problem.block),
                     copies=copies, alias={v: r(v) for v in rep}, reduce_in_backward=mm.reduce_in_backward,
-                    phases=mm.phases, phase_names=list(mm.phase_names), optimizer=mm.optimizer)
+                    held_batches=mm.held_batches, held_head=mm.held_head, phases=mm.phases, phase_names=list(mm.phase_names), optimizer=mm.optimizer)
     for table, out in ((mm.state, m.state), (mm.act, m.act), (mm.grad, m.grad), (mm.param, m.param)):
         for v, vals in table.items():
             out[r(v)] = [a + b for a, b in zip(out.get(r(v), [0.0] * len(vals)), vals)]
@@ -484,6 +484,7 @@ def _shared_memory_graph(mm, m, r, new_of: dict) -> None:
     """``m``'s forward graph, recompute candidates and moments: ``mm``'s, mapped onto the class
     nodes (and the merged edges)."""
     m.inside = {r(v) for v in mm.inside}
+    m.head = {r(v) for v in mm.head}
     m.needed = list(dict.fromkeys(r(v) for v in mm.needed))
     m.recomputable = list(dict.fromkeys(r(v) for v in mm.recomputable))
     m.checkpoints = {r(v) for v in mm.checkpoints}

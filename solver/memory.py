@@ -217,6 +217,13 @@ class MemoryModel:
     grad: dict = field(default_factory=dict)   # storage -> its gradient's bytes per strategy (grad[v,s])
     param: dict = field(default_factory=dict)  # storage -> a trained parameter's bytes per strategy (param[v,s])
     optimizer: str = "for-loop"                # DeviceSpec.optimizer: the optimizer step's temporaries
+    # A pipeline stage holds the saved activations of several micro-batches at once (the ones
+    # whose backward has not run yet: autoshard/planning/pipeline.py); H - 1 more of them than
+    # the one running live in forward and in every phase of backward, beside it. The head's
+    # values (``head``: forward after the last layer) only the last stage has: ``held_head`` of them
+    held_batches: float = 1.0
+    held_head: float = 1.0
+    head: set = field(default_factory=set)
 
     @property
     def candidates(self) -> list[fx.Node]:
@@ -228,6 +235,14 @@ class MemoryModel:
         seen.update(dict.fromkeys(self.base_of))
         seen.update(dict.fromkeys(self.base_of.values()))
         return list(seen)
+
+    def held_of(self, v) -> float:
+        """Micro-batches whose saved copy of ``v`` a pipeline stage holds at once (1: no stages)."""
+        return self.held_head if v in self.head else self.held_batches
+
+    def others(self, saved: dict) -> float:
+        """The saved bytes of a pipeline stage's other micro-batches in flight."""
+        return sum((self.held_of(v) - 1) * b for v, b in saved.items())
 
     def grads_live_everywhere(self) -> bool:
         """With K > 1 micro-batches G counts in every moment (module docstring)."""
@@ -398,6 +413,7 @@ def _activations(mm: MemoryModel, fwd: list[fx.Node], local_outputs) -> None:
     mm.checkpoints = {v for v in fwd if any(u in fwd_set and layer(u) != layer(v) for u in _consumers(v))}
     layered = [i for i, v in enumerate(fwd) if mm.block.get(v) is not None]
     mm.inside = set(fwd[layered[0]:layered[-1] + 1]) if layered else set(fwd)   # no layers: all of it
+    mm.head = set(fwd[layered[-1] + 1:]) if layered else set()
 
 
 def _backward_reads(graph: fx.Graph, phase: dict, fwd_set: set) -> dict[fx.Node, list[int]]:
@@ -760,11 +776,12 @@ def moments(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set) -> dict
     def parts(**some: float) -> dict[str, float]:
         return {k: state if k == "state" else some.get(k, 0.0) for k in PARTS}
 
-    out = {"forward": parts(grads=full if everywhere else 0.0, activations=sum(saved.values()),
+    others = mm.others(saved)
+    out = {"forward": parts(grads=full if everywhere else 0.0, activations=sum(saved.values()) + others,
                             transient=temp[FORWARD])}
     for p, name in enumerate(mm.phase_names):
         out[name] = parts(grads=full if everywhere else sum(b * mm.made[st][p] for st, b in grads.items()),
-                          activations=sum(b * mm.live[u][p] for u, b in saved.items()),
+                          activations=sum(b * mm.live[u][p] for u, b in saved.items()) + others,
                           recomputed=sum(b * vec[p] for b, vec in replays), transient=temp[p])
     out[END] = parts(grads=full, grad_delivery=end_of_backward(mm, choice))
     out["optimizer step"] = parts(grads=full, optimizer_step=optimizer_temporary(mm, choice))
@@ -776,14 +793,16 @@ def predicted_memory(mm: MemoryModel, choice: dict[fx.Node, int], recompute: set
     by part."""
     every = moments(mm, choice, recompute)
     name = max(every, key=lambda k: sum(every[k].values()))
-    return Breakdown(every[name], name, every["forward"]["activations"], saved_bytes(mm, choice, recompute))
+    saved = saved_bytes(mm, choice, recompute)
+    return Breakdown(every[name], name, sum(saved.values()), saved)
 
 
 def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recompute: set) -> list[tuple[str, float]]:
     """Predicted per-device bytes held after each node: S, the gradients backward has made so far
     (all of them with K > 1), each saved activation from its forward node until its last backward
     reader, each recomputed value from its block's first backward reader of one (where the replay
-    runs) until its own last backward reader, and that op's working set; last the optimizer step."""
+    runs) until its own last backward reader, and that op's working set (with a pipeline stage's
+    held micro-batches, their saved activations throughout); last the optimizer step."""
     from autoshard.passes.graph import value_of
 
     state = sum(mm.state[v][choice[v]] for v in mm.state) + working_copies(mm, choice, mm.mesh_shape)
@@ -791,6 +810,7 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
     made = {e.src: mm.grad[e.dst][choice[e.dst]] for e in mm.grads if e.dst in mm.grad}
     grads = full if mm.grads_live_everywhere() else 0.0
     saved = saved_bytes(mm, choice, recompute)
+    state += mm.others(saved)   # a pipeline stage's other micro-batches, throughout
     replayed = {v for v in rematerialized(mm) if v in recompute and v in mm.act}
     size = {v: mm.act[v][choice[v]] / mm.copies.get(v, 1) for v in replayed}
     last_use: dict[fx.Node, fx.Node] = {}
@@ -825,5 +845,5 @@ def timeline(mm: MemoryModel, graph: fx.Graph, choice: dict[fx.Node, int], recom
         out.append((n.name, state + grads + live + work))
         for u in frees.get(n, []):
             live -= size[u] if u in replayed else saved[u]
-    out.append(("optimizer step", state + full + optimizer_temporary(mm, choice)))
+    out.append(("optimizer step", state - mm.others(saved) + full + optimizer_temporary(mm, choice)))
     return out

@@ -130,6 +130,7 @@ def _saved_views(rows: _Rows, keep: dict, saved: Profiles) -> None:
             c = m.var()
             m.add([(c, 1.0), *_per_mb(moved, -1.0), (keep[v], -big)], lower=-big)
             saved.setdefault(mm.live[v], []).append((c, MB))
+            _held_too(mm, saved, v, [(c, MB)])
 
 
 def _recompute_cost(rows: _Rows, r: dict, a: dict, recomputed: Profiles) -> None:
@@ -174,7 +175,16 @@ def _saved_activations(rows: _Rows, keep: dict, saved: Profiles) -> None:
     mm, allowed = rows.mm, rows.problem.allowed
     for v, kv in keep.items():
         if max((mm.act[v][s] for s in allowed[v]), default=0.0) > 0:
-            saved.setdefault(mm.live[v], []).extend((var, mm.act[v][s]) for s, var in rows.product(v, kv).items())
+            terms = [(var, mm.act[v][s]) for s, var in rows.product(v, kv).items()]
+            saved.setdefault(mm.live[v], []).extend(terms)
+            _held_too(mm, saved, v, terms)
+
+
+def _held_too(mm: MemoryModel, saved: Profiles, v, terms: Terms) -> None:
+    # the H - 1 other micro-batches a pipeline stage holds keep all of v, in every moment of
+    # forward and backward (memory.py: MemoryModel.held_batches)
+    if mm.held_of(v) > 1:
+        saved.setdefault((1.0,) * mm.phases, []).extend((var, b * (mm.held_of(v) - 1)) for var, b in terms)
 
 
 def _replayed_at_start_rows(rows: _Rows, r: dict, a: dict) -> None:

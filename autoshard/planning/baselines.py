@@ -31,6 +31,14 @@ dropped):
   x, y and sharded further over z, gathered before use), data parallel outside; on one node of
   G >= 8 also z = 2 with y * x = G/2.
 
+* ``fsdp_tp_pp``: pipeline stages over the outer mesh dim (8 of them, or the outer dim's size
+  when smaller), and inside each stage (fsdp, tp) on its (N/8, G) mesh: torchtitan's 3-D layout
+  for its largest runs (FSDP 8 x TP 8 x PP 8 on 512 H100). Priced by
+  :mod:`autoshard.planning.pipeline` (a :class:`~autoshard.planning.pipeline.PipelinePlan`, which
+  does not run yet), over 1F1B and interleaved 1F1B; with fewer than 8 nodes, the most stages
+  up to 8 that divide them. :func:`plan_baseline` plans it from the ``nn.Module`` (the stages
+  cut its layers); :func:`compare` does not.
+
 Each in two forms: no recompute (``"name"``) and full activation recompute, per layer (each
 repeated layer's inputs saved, everything else recomputed: Megatron's full recomputation)
 (``"name+recompute"``); over its grids the fastest feasible plan is kept. :func:`compare` plans
@@ -48,7 +56,7 @@ import collections
 import copy
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from autoshard.cluster import Cluster
 from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
@@ -56,6 +64,9 @@ from autoshard.planning.meshes import divisors, failure, near_square, tightened
 from autoshard.passes.trace import TracedModel
 from autoshard.planning.plan import Plan
 from autoshard.planning.roles import allow_for
+
+if TYPE_CHECKING:
+    from autoshard.planning.pipeline import PipelinePlan
 
 RECOMPUTE = {"": False, "+recompute": "full"}
 
@@ -132,13 +143,16 @@ def logical_meshes(baseline: str, cluster: Cluster) -> list[tuple[tuple[int, ...
 
 # --- planning ----------------------------------------------------------------------------------
 def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, recompute: bool | str = False,
-                  _solved: dict | None = None, **kwargs) -> Plan:
+                  _solved: dict | None = None, **kwargs) -> Plan | PipelinePlan:
     """The fastest plan of baseline ``name`` ("fsdp", or "fsdp+recompute" for full recompute)
     over its grids; ``kwargs`` go to :func:`autoshard.plan`. Raises InfeasibleError when no grid
     fits (or the baseline cannot be expressed on this cluster or batch). ``plan.stats["meshes"]``
     gives each grid's step time (None: no plan) and ``plan.stats["mesh_errors"]`` why
     (:func:`autoshard.planning.meshes.failure`; "time_limit": that grid was not priced; "slower": solved
     with the best grid's objective as cutoff, and proven no faster).
+
+    ``"fsdp_tp_pp"`` returns a :class:`~autoshard.planning.pipeline.PipelinePlan` instead (priced,
+    not run), from the ``nn.Module`` only.
 
     ``_solved`` (:func:`compare`'s, for calls with the same model, cluster and ``kwargs``) holds
     the outcome of each (grid, dim names, roles, recompute) solved so far: two baselines that
@@ -147,8 +161,10 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
     from autoshard.api import plan, trace
 
     base, _, suffix = name.partition("+")
+    if base == "fsdp_tp_pp" and suffix in ("", "recompute"):   # a PipelinePlan
+        return _fsdp_tp_pp(model, cluster, example_inputs, recompute="full" if suffix else recompute, **kwargs)
     if base not in BASELINES or suffix not in ("", "recompute"):
-        raise ConstraintError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)} (add '+recompute' "
+        raise ConstraintError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}, fsdp_tp_pp (add '+recompute' "
                               "for full activation recompute)")
     if suffix:
         recompute = "full"
@@ -204,6 +220,22 @@ def plan_baseline(model, cluster: Cluster, name: str, example_inputs=None, *, re
     return best
 
 
+def _fsdp_tp_pp(model, cluster: Cluster, example_inputs, recompute, **kwargs):
+    from autoshard.planning.pipeline import plan_pipeline
+
+    if isinstance(model, TracedModel):
+        raise ConstraintError("fsdp_tp_pp cuts the model's layers into stages: pass the nn.Module, not a traced model")
+    unknown = set(kwargs) - {"memory_limit", "time_limit", "strict"}
+    if unknown:
+        raise ConstraintError(f"fsdp_tp_pp takes memory_limit, time_limit and strict, not {', '.join(sorted(unknown))}")
+    stages = max(d for d in divisors(cluster.mesh_shape[0]) if d <= 8)
+    if stages < 2:
+        raise InfeasibleError(f"fsdp_tp_pp needs an outer mesh dim of 2 or more to put stages on, not "
+                              f"{tuple(cluster.mesh_shape)}")
+    return plan_pipeline(model, cluster, example_inputs, stages=stages, roles=("fsdp", "tp"), recompute=recompute,
+                         **kwargs)
+
+
 def _has_experts(traced: TracedModel) -> bool:
     from autoshard.passes.regions import META_KEY, find_regions
 
@@ -225,6 +257,9 @@ def compare(model, cluster: Cluster, example_inputs=None, *, memory_limit: float
 
     traced = model if isinstance(model, TracedModel) else trace(model, example_inputs)
     names = baselines if baselines is not None else [b + s for b in BASELINES for s in RECOMPUTE]
+    if any(n.partition("+")[0] == "fsdp_tp_pp" for n in names):
+        raise ConstraintError("compare plans Plans; fsdp_tp_pp is a PipelinePlan: plan it with "
+                              "plan_baseline(model, cluster, 'fsdp_tp_pp', inputs)")
     out: dict[str, Plan | InfeasibleError] = {}
     solved: dict = {}  # grids two baselines share are solved once (plan_baseline's _solved)
     try:

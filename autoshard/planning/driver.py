@@ -89,7 +89,8 @@ def check_backend(backend) -> None:
 
 def solve(traced, cluster, constraints, memory_limit, recompute, time_limit, share_layers=True, allow=None,
            grad_accumulation: int = 1, followers: bool = True, progress: Progress | None = None,
-           cutoff: float | None = None, backend: str = "eager"):
+           cutoff: float | None = None, backend: str = "eager", held_batches: float = 1.0,
+           held_head: float | None = None):
     if recompute not in (True, False, "full"):
         raise ConstraintError(f"recompute must be True, False or 'full', not {recompute!r}")
     check_backend(backend)
@@ -105,6 +106,8 @@ def solve(traced, cluster, constraints, memory_limit, recompute, time_limit, sha
         if not recompute:
             mm.recomputable = []
         mm.recompute_all = recompute == "full"
+        mm.held_batches = held_batches   # a pipeline stage's micro-batches in flight (planning/pipeline.py)
+        mm.held_head = held_batches if held_head is None else held_head
         rep = {n: r for n, r in layers.items()
                if problem.allowed.get(n) == problem.allowed.get(r)} if share_layers else {}
         pool_blocks(problem, rep, mm.block)   # the memory model keeps each node's own block

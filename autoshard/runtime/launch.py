@@ -137,19 +137,21 @@ def _collect(procs, q, deadline):
         _record(results, errors, rank, status, payload)
     if errors:  # a rank's "connection reset" is often the echo of a peer that crashed, and a
         # fault in the job itself reaches every rank at once: a second's grace names them too
+        # (a rank's queue flushes before it exits: one that exited and left nothing died silently)
         end = min(deadline, time.monotonic() + 1.0)
-        while True:
+        waiting = lambda: [r for r in range(len(procs)) if r not in results and r not in errors]  # noqa: E731
+        while waiting() and time.monotonic() < end:
             try:
-                rank, status, payload = q.get(timeout=0.05)
+                _record(results, errors, *q.get(timeout=0.05))
             except queue.Empty:
-                pass
-            else:
-                _record(results, errors, rank, status, payload)
-            for r, p in enumerate(procs):
-                if r not in results and r not in errors and p.exitcode not in (None, 0):
-                    errors[r] = ("died", _died(p.exitcode))
-            if time.monotonic() >= end or len(results) + len(errors) == len(procs):
-                break
+                if all(procs[r].exitcode is not None for r in waiting()):
+                    break
+        with contextlib.suppress(queue.Empty):
+            while True:
+                _record(results, errors, *q.get_nowait())
+        for r in waiting():
+            if procs[r].exitcode not in (None, 0):
+                errors[r] = ("died", _died(procs[r].exitcode))
     return results, errors
 
 

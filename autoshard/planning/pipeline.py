@@ -1,0 +1,404 @@
+"""Pipeline stages, priced: the model's repeated layers cut into contiguous stages over the outer
+mesh dim, each stage planned by the ILP on its own devices, and the schedule's bubble,
+point-to-point sends and in-flight activations added on top.
+
+A pipeline of p stages over the outer dim of a (N, ...) mesh gives each stage a (N/p, ...) mesh.
+Micro-batches: the global batch B in m equal parts of b = B/m. Per stage s, with n_s layers:
+
+    t_s = n_s * l + [s = 0] * pre + [s = p-1] * post        one micro-batch, forward and backward
+    O_s = its share of what runs once per step              gradient reductions, the optimizer
+
+where l, pre and post (the layers before the first repeated layer, and after the last: the
+embeddings; the head and the loss) come from one intra-op plan (below). The step is
+
+    T = (m + bubble) * max_s t_s + max_s O_s + sends
+
+    bubble = p - 1            GPipe and 1F1B
+           = (p - 1) / v      interleaved 1F1B, v virtual stages (chunks of layers) per rank
+    sends  = (m v + p - 1) * 2 * (alpha + a / beta)    a micro-batch's activation forward and its
+                                                    gradient back, over the outer dim's link,
+                                                    not hidden: torch's schedules wait on each
+                                                    receive before the compute that needs it
+
+(a: the bytes one rank sends across a stage boundary, the local share of the hidden state under
+the plan's placement). The layers are split to minimize max_s t_s (:func:`balance`): a layer count
+that the stages do not divide gives uneven stages, the first and last shorter when embeddings
+and head cost more.
+
+In-flight micro-batches. Stage s holds the saved activations of every micro-batch whose forward
+it ran and whose backward it has not:
+
+    GPipe         m
+    1F1B          min(p - s, m)                              the first stage the most
+    interleaved   min((v - 1) p + 2 (p - 1 - s) + 1, m v) / v  (torch's warmup, in chunks of 1/v)
+
+The intra-op plan. For each (p, m, schedule) one ILP solves a copy of the model cut to k layers,
+k = max_s n_s, with its embeddings and head, at micro-batch b, on the stage mesh, under the
+memory cap, for m micro-batches per step (gradients accumulated), its saved activations held
+H = max_s held_s times, the head's held_{p-1} times (solver/memory.py: ``held_batches``). Its plan bounds every stage's
+memory: none holds more layers, more in-flight micro-batches, or more than both embeddings and
+head. Its times split into l, pre and post by where each op runs; recompute is chosen by that
+ILP as for any plan, under the stage's cap. Stages share the one solve, as repeated layers do.
+
+Limits: pipeline plans are priced, not run: ``autoshard.compile`` does not take them yet. Only
+the outer mesh dim carries stages. GPipe prices as 1F1B with more memory, so the default search
+leaves it out (``schedules=("gpipe", ...)`` prices it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from autoshard.cluster import Cluster
+from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
+from autoshard.planning.meshes import divisors, failure
+from autoshard.planning.plan import Plan
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+# --- schedules -----------------------------------------------------------------------------------
+def held(schedule: str, stages: int, micro_batches: int, stage: int, virtual: int = 1) -> float:
+    """Micro-batches whose saved activations ``stage`` holds at once (module docstring), in units
+    of one micro-batch through all of the rank's layers."""
+    p, m, s, v = stages, micro_batches, stage, virtual
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p - s, m))
+    if schedule == "interleaved":
+        return min((v - 1) * p + 2 * (p - 1 - s) + 1, m * v) / v
+    raise ConstraintError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+
+
+def bubble(schedule: str, stages: int, virtual: int = 1) -> float:
+    """Idle micro-batch slots on the critical path: p - 1, or (p - 1)/v interleaved."""
+    return (stages - 1) / virtual if schedule == "interleaved" else float(stages - 1)
+
+
+def balance(layers: int, stages: int, layer: float, pre: float = 0.0, post: float = 0.0,
+            least: int = 1) -> list[int]:
+    """Layers per stage, contiguous and at least ``least`` each, minimizing the slowest stage's
+    time n_s * layer + [first] pre + [last] post; ties go to the earlier stages taking more."""
+    if layers < stages * least:
+        raise ConstraintError(f"{layers} layers cannot fill {stages} stages of at least {least}")
+    extra = [pre if s == 0 else 0.0 for s in range(stages)]
+    extra[-1] += post
+
+    def fits(bound: float) -> list[int] | None:
+        room = [max(0, math.floor((bound - e) / layer + 1e-9)) if layer > 0 else layers for e in extra]
+        if any(r < least for r in room) or sum(room) < layers:
+            return None
+        counts, left = [least] * stages, layers - least * stages
+        for s in sorted(range(stages), key=lambda s: extra[s]):   # the cheap stages fill first
+            more = min(room[s] - least, left)
+            counts[s] += more
+            left -= more
+        return counts
+
+    bounds = sorted({n * layer + e for e in extra for n in range(least, layers + 1)})
+    return next(c for b in bounds if (c := fits(b)) is not None)
+
+
+# --- the model's repeated layers -----------------------------------------------------------------
+def repeated_module(model: nn.Module) -> tuple[nn.Module, str, nn.Module]:
+    """(parent, attribute, container) of the model's stack of layers: the ``nn.ModuleList`` or
+    ``nn.ModuleDict`` with the most children, all alike (one class, the same parameter shapes;
+    at least two)."""
+    best = None
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) >= 2 \
+                    and len({_signature(c) for c in child.children()}) == 1 \
+                    and (best is None or len(child) > len(best[2])):
+                best = (parent, name, child)
+    if best is None:
+        raise ConstraintError(f"{type(model).__name__} has no repeated layers to cut into pipeline stages: "
+                              "stages are contiguous runs of a stack of identical blocks (an nn.ModuleList or "
+                              "nn.ModuleDict of at least two of one class and the same parameter shapes); plan it without stages")
+    return best
+
+
+def _signature(module: nn.Module) -> tuple:
+    return type(module), tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+
+
+@contextlib.contextmanager
+def cut_to(model: nn.Module, k: int):
+    """The model with only the first ``k`` of its repeated layers, while the block runs; the
+    model's own stack is put back after, whatever happens."""
+    parent, name, stack = repeated_module(model)
+    kept = list(stack.items())[:k] if isinstance(stack, nn.ModuleDict) else list(stack)[:k]
+    parent._modules[name] = type(stack)(dict(kept) if isinstance(stack, nn.ModuleDict) else kept)
+    try:
+        yield model
+    finally:
+        parent._modules[name] = stack
+
+
+def _as_tuple(example_inputs) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
+
+
+def batch_size(example_inputs) -> int:
+    """The batch: dim 0 of every tensor input, one size for all."""
+    sizes = {x.shape[0] for x in _as_tuple(example_inputs) if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise ConstraintError(f"pipeline stages split the batch (dim 0 of every tensor input) into micro-batches; "
+                              f"the inputs' leading dims are {sorted(sizes)}, not one batch size")
+    return sizes.pop()
+
+
+def micro_batch(example_inputs, micro_batches: int) -> tuple:
+    """The first of ``micro_batches`` equal slices of the batch (dim 0 of every tensor input)."""
+    batch = batch_size(example_inputs)
+    if batch % micro_batches:
+        works = [d for d in divisors(batch) if d > 1]
+        raise ConstraintError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches; "
+                              f"micro-batch counts that divide it: {works}")
+    b = batch // micro_batches
+    return tuple(x[:b] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in _as_tuple(example_inputs))
+
+
+# --- the plan ------------------------------------------------------------------------------------
+@dataclass
+class PipelinePlan:
+    """A pipeline over the outer mesh dim: ``stages`` (p) stages of ``layers`` repeated layers each,
+    ``virtual`` chunks per rank, ``micro_batches`` (m) per step under ``schedule``; ``stage_plan``
+    the intra-op plan every stage runs (the model cut to max(layers) layers, module docstring) on
+    ``stage_mesh``. Times in seconds per step, ``peak_memory`` the bound on every stage's bytes
+    per device, ``held`` each stage's in-flight micro-batches."""
+
+    stages: int
+    virtual: int
+    micro_batches: int
+    schedule: str
+    layers: list[int]
+    stage_mesh: tuple
+    step_time: float
+    bubble_time: float
+    send_time: float
+    stage_times: list[float]            # per stage: one micro-batch, forward and backward
+    stage_once: list[float]             # per stage: what runs once per step (reductions, optimizer)
+    held: list[float]
+    peak_memory: float
+    memory_limit: float
+    stage_plan: Plan
+    stats: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (f"PP {self.stages}{f' x {self.virtual} virtual' if self.virtual > 1 else ''}, {self.schedule}, "
+                f"{self.micro_batches} micro-batches, layers {self.layers}, stage mesh {self.stage_mesh}: "
+                f"{self.step_time * 1e3:.1f} ms/step (bubble {self.bubble_time * 1e3:.1f} ms, sends "
+                f"{self.send_time * 1e3:.1f} ms), peak {self.peak_memory / 2**30:.1f} GiB")
+
+
+def stage_cluster(cluster: Cluster, stages: int) -> Cluster:
+    """The devices of one stage: the outer mesh dim divided by ``stages``, the other dims whole."""
+    outer = cluster.mesh_shape[0]
+    if outer % stages:
+        raise ConstraintError(f"{stages} stages do not divide the outer mesh dim ({outer} of mesh "
+                              f"{tuple(cluster.mesh_shape)}); stage counts that do: {divisors(outer)[1:]}")
+    shape = (outer // stages, *cluster.mesh_shape[1:])
+    return Cluster(shape, cluster.mesh_dim_names, cluster.device, cluster.links,
+                   ranks_per_node=min(cluster.ranks_per_node, math.prod(shape)))
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """One intra-op plan's step split by where each op runs: ``layer`` (one repeated layer),
+    ``pre`` (the ops before the layers: embeddings) and ``post`` (after them: head and loss),
+    each as (per micro-batch, once per step) seconds."""
+
+    layer: tuple[float, float]
+    pre: tuple[float, float]
+    post: tuple[float, float]
+
+    def of(self, layers: int, first: bool, last: bool) -> tuple[float, float]:
+        """A stage's (per micro-batch, once per step) seconds."""
+        parts = [(self.layer, layers), (self.pre, int(first)), (self.post, int(last))]
+        return sum(t[0] * n for t, n in parts), sum(t[1] * n for t, n in parts)
+
+
+def parts(plan: Plan) -> dict[str, str]:
+    """Each node's part of a stage: "layer" (in a repeated layer), "pre" (forward before the first
+    layer, backward after the last: the embeddings) or "post" (the rest: the head, the loss and
+    their backward); a parameter or input goes with its first consumer."""
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    first_use: dict[str, int] = {}
+    for src, dst in plan.edges:
+        if dst in index:
+            first_use[src] = min(first_use.get(src, index[dst]), index[dst])
+    layered = [i for i, n in enumerate(plan.nodes) if n.layer is not None]
+    first_fwd = min((i for i in layered if plan.nodes[i].phase == "fwd"), default=-1)
+    last_bwd = max((i for i in layered if plan.nodes[i].phase == "bwd"), default=len(plan.nodes))
+    out = {}
+    for i, n in enumerate(plan.nodes):
+        if n.layer is not None:
+            out[n.name] = "layer"
+        elif n.phase == "bwd":
+            out[n.name] = "pre" if i > last_bwd else "post"
+        elif n.phase == "fwd":
+            out[n.name] = "pre" if i < first_fwd else "post"
+        else:   # a parameter, a batch input
+            out[n.name] = "pre" if first_use.get(n.name, i) < first_fwd else "post"
+    return out
+
+
+def split_times(plan: Plan, copies: int) -> StageTimes:
+    """``plan``'s step split by part (:func:`parts`, :class:`StageTimes`). Compute, with recompute twice, and exposed collectives are
+    counted per micro-batch (``plan.grad_accumulation`` of them per step) but for those run once
+    per step (gradient reductions); recompute's resharding is spread over the per-micro-batch
+    parts and the optimizer over the once-per-step parts, each by compute."""
+    m = plan.grad_accumulation
+    if len({n.layer for n in plan.nodes if n.layer is not None}) != copies:
+        raise ConstraintError(f"the stage's plan does not show its {copies} repeated layers as {copies} copies of "
+                              "one block (passes/coarsen.py found another period): it cannot be cut into stages")
+    part_of = parts(plan)
+    mb = {"layer": 0.0, "pre": 0.0, "post": 0.0}
+    once = dict(mb)
+    work = dict(mb)
+    for n in plan.nodes:
+        part = part_of[n.name]
+        mb[part] += n.compute * (2 if n.recompute else 1) / m
+        work[part] += n.compute
+        for c in n.comm:
+            if c.get("calls", m) == 1:
+                once[part] += c["exposed"]
+            else:
+                mb[part] += c["exposed"] / m
+    total = sum(work.values()) or 1.0
+    for part in mb:
+        mb[part] += plan.breakdown.get("recompute_comm", 0.0) / m * work[part] / total
+        once[part] += plan.breakdown.get("optimizer", 0.0) * work[part] / total
+    return StageTimes((mb["layer"] / copies, once["layer"] / copies), (mb["pre"], once["pre"]),
+                      (mb["post"], once["post"]))
+
+
+def boundary_bytes(plan: Plan, traced) -> float:
+    """Bytes one rank sends across a stage boundary per micro-batch: the local size of what the
+    first layer hands the second in forward (the hidden state), under the plan's placements."""
+    from autoshard.passes.annotate import tensor_bytes
+    from autoshard.passes.coarsen import LAYER_KEY
+    from autoshard.passes.graph import META_KEY
+
+    choice = {n.name: n.strategy for n in plan.nodes}
+    total = 0.0
+    for node in traced.gm.graph.nodes:
+        layer = node.meta.get(LAYER_KEY)
+        if layer is None or layer[1] != 0 or "val" not in node.meta:
+            continue
+        if any((u.meta.get(LAYER_KEY) or (None, None))[1] == 1 for u in node.users) \
+                and isinstance(node.meta["val"], torch.Tensor):
+            nbytes = tensor_bytes(node.meta["val"])
+            strategies = node.meta[META_KEY].strategies
+            strategy = next((s for s in strategies if str(s) == choice.get(node.name)), None)
+            share = 1
+            if strategy is not None:
+                share = math.prod(size for pl, size in zip(strategy.outputs[0], plan.mesh_shape) if pl.is_shard())
+            total += nbytes / share
+    return total
+
+
+def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro_batches=None,
+                  schedules=("1f1b", "interleaved"), virtual: int = 2, memory_limit: float | None = None,
+                  recompute=True, time_limit: float = 120.0, roles: tuple[str, ...] | None = None,
+                  strict: bool = False) -> PipelinePlan:
+    """The fastest pipeline plan over ``stages`` (an int, a list, or None: every divisor of the
+    outer mesh dim from 2 up, at most the layer count), ``micro_batches`` (an int, a list, or
+    None: p and 4p where they divide the batch) and ``schedules`` (module docstring); interleaved
+    uses ``virtual`` chunks per rank. ``roles``: a hand layout inside each stage
+    (:mod:`autoshard.planning.roles`, one per dim of the stage mesh), else the free plan.
+    ``plan.stats["candidates"]`` lists every candidate's step time (None: no plan;
+    ``stats["errors"]`` says why). Raises InfeasibleError when none fits."""
+    start = time.perf_counter()
+    _, _, stack = repeated_module(model)
+    n_layers = len(stack)
+    limit = float(cluster.memory_limit if memory_limit is None else memory_limit)
+    batch = batch_size(example_inputs)
+    schedules = [schedules] if isinstance(schedules, str) else list(schedules)
+    for name in schedules:
+        held(name, 1, 1, 0)   # an unknown name is refused before anything is solved
+    p_list = ([stages] if isinstance(stages, int) else list(stages) if stages is not None
+              else [d for d in divisors(cluster.mesh_shape[0]) if 2 <= d <= n_layers])
+    best, tried, why, solves = None, {}, {}, {}
+    for p in p_list:
+        stage = stage_cluster(cluster, p)
+        m_list = ([micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
+                  if micro_batches is not None else [m for m in (p, 4 * p) if batch % m == 0])
+        if not m_list:
+            tried[f"pp{p}"], why[f"pp{p}"] = None, f"neither {p} nor {4 * p} micro-batches divide the batch of {batch}"
+        for m in m_list:
+            inputs = micro_batch(example_inputs, m)
+            for schedule in schedules:
+                v = virtual if schedule == "interleaved" else 1
+                key = f"pp{p} m{m} {schedule}{f' v{v}' if v > 1 else ''}"
+                if schedule == "interleaved" and (m % p or n_layers < p * v):
+                    tried[key], why[key] = None, f"interleaved needs m divisible by p and at least {p * v} layers"
+                    continue
+                try:
+                    candidate = _price(model, inputs, cluster, stage, p, m, schedule, v, n_layers, limit,
+                                       dict(recompute=recompute, time_limit=time_limit, roles=roles,
+                                            strict=strict), solves)
+                except (InfeasibleError, SolverError, CutoffError) as exc:
+                    tried[key], why[key] = None, failure(exc)
+                    continue
+                except ConstraintError as exc:   # this candidate cannot be cut so: the others may
+                    tried[key], why[key] = None, str(exc)
+                    continue
+                tried[key] = candidate.step_time
+                if best is None or candidate.step_time < best.step_time:
+                    best = candidate
+    if best is None:
+        raise InfeasibleError(f"no pipeline plan fits {limit / 2**30:.2f} GiB per device; tried "
+                              + ", ".join(f"{k} ({why.get(k)})" for k in tried))
+    best.stats.update(candidates=tried, errors=why, solves=len(solves), total_s=time.perf_counter() - start)
+    return best
+
+
+def _stage_plan(model, inputs, stage: Cluster, k: int, m: int, hold: list[float], limit: float, options: dict):
+    """The intra-op plan of the model cut to ``k`` layers, at one micro-batch, on the stage's
+    devices, for ``m`` micro-batches per step with ``hold[s]`` of them in flight on stage s: the
+    first stage's count for the layers and embeddings (the most), the last's for the head."""
+    from autoshard.planning.driver import prepare, solve, trace
+    from autoshard.planning.pricing import price
+    from autoshard.planning.roles import allow_for
+
+    with cut_to(model, k) as cut:
+        traced = trace(cut, inputs)
+    traced, fallbacks, gaps = prepare(traced, stage, inputs, options["strict"])
+    allow = allow_for(traced, options["roles"]) if options["roles"] is not None else None
+    problem, solution, limit = solve(traced, stage, None, limit, options["recompute"], options["time_limit"],
+                                     allow=allow, grad_accumulation=m, held_batches=max(hold), held_head=hold[-1])
+    return traced, price(traced, stage, problem, solution, fallbacks, gaps, limit)
+
+
+def _price(model, inputs, cluster: Cluster, stage: Cluster, p, m, schedule, v, n_layers, limit, options,
+           solves: dict) -> PipelinePlan:
+    hold = [held(schedule, p, m, s, v) for s in range(p)]
+    k = max(2, math.ceil(n_layers / p))   # two copies at least: one layer alone shows no period
+    while True:   # solve for k layers; again with more if balancing gave a stage more
+        key = (p, m, hold[0], hold[-1], k)
+        if key not in solves:
+            solves[key] = _stage_plan(model, inputs, stage, k, m, hold, limit, options)
+        traced, sp = solves[key]
+        split = split_times(sp, k)
+        counts = balance(n_layers, p, split.layer[0], split.pre[0], split.post[0], least=v)
+        if max(counts) <= k:
+            break
+        k = max(counts)
+    times, once = zip(*(split.of(n, s == 0, s == p - 1) for s, n in enumerate(counts)))
+    link = cluster.links[0]   # consecutive stages differ in the outer mesh dim
+    send = link.latency + boundary_bytes(sp, traced) / link.effective_bandwidth
+    sends = (m * v + p - 1) * 2 * send
+    idle = bubble(schedule, p, v) * max(times)
+    return PipelinePlan(stages=p, virtual=v, micro_batches=m, schedule=schedule, layers=counts,
+                        stage_mesh=tuple(stage.mesh_shape), step_time=m * max(times) + idle + max(once) + sends,
+                        bubble_time=idle, send_time=sends, stage_times=list(times), stage_once=list(once), held=hold,
+                        peak_memory=sp.peak_memory, memory_limit=limit, stage_plan=sp)

@@ -1,0 +1,185 @@
+"""Pipeline stages, priced (autoshard/planning/pipeline.py): the schedules' bubble and in-flight
+micro-batches against a simulated schedule and the published formula, the layer split against
+brute force, the in-flight activations in the ILP's memory, and planning a transformers model
+whose layers the stages do not divide."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import ConstraintError, InfeasibleError
+from autoshard.planning import pipeline
+from autoshard.planning.driver import prepare, solve, trace
+from autoshard.zoo import Llama, LlamaConfig, hf
+
+
+def _simulate(schedule: str, p: int, m: int, v: int = 1, forward: float = 1.0, backward: float = 2.0):
+    """Run GPipe, 1F1B or interleaved 1F1B on p ranks, each doing its own list of tasks in order
+    as soon as their inputs exist, and return the makespan and each rank's most micro-batches
+    between their forward and their backward (in units of all its layers: a chunk counts 1/v).
+
+    Virtual stage j = c p + s is chunk c of rank s; F(j, i) follows F(j - 1, i), B(j, i) follows
+    B(j + 1, i) and F(j, i). Rank order (Megatron's, and torch's): GPipe every forward then
+    every backward; otherwise ``warm`` forwards, then forward-backward pairs, then the rest of the
+    backwards, with warm = p - 1 - s (1F1B) or (v - 1) p + 2 (p - 1 - s) (interleaved), at most
+    m v; interleaved forwards go in groups of p micro-batches, chunk by chunk (backwards with
+    the chunks reversed)."""
+    def order_of(s):
+        def task(kind, k):
+            c = (k // p) % v
+            return kind, (v - 1 - c if kind == "B" else c) * p + s, (k // (p * v)) * p + k % p
+        n = m * v
+        if schedule == "gpipe":
+            return [task("F", k) for k in range(n)] + [task("B", k) for k in range(n)]
+        warm = min(p - 1 - s if v == 1 else (v - 1) * p + 2 * (p - 1 - s), n)
+        ops, f, b = [task("F", k) for k in range(warm)], warm, 0
+        while b < n:
+            if f < n:
+                ops.append(task("F", f))
+                f += 1
+            ops.append(task("B", b))
+            b += 1
+        return ops
+
+    order = [order_of(s) for s in range(p)]
+    last = p * v - 1
+    done, clock, pos, most = {}, [0.0] * p, [0] * p, [0] * p
+    while any(pos[s] < len(order[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            if pos[s] == len(order[s]):
+                continue
+            kind, j, i = order[s][pos[s]]
+            deps = ([("F", j - 1, i)] if j > 0 else []) if kind == "F" else \
+                [("F", j, i)] + ([("B", j + 1, i)] if j < last else [])
+            if all(d in done for d in deps):
+                begin = max([clock[s]] + [done[d] for d in deps])
+                clock[s] = done[(kind, j, i)] = begin + (forward if kind == "F" else backward) / v
+                pos[s] += 1
+                moved = True
+                live = sum(("F", c * p + s, i) in done and ("B", c * p + s, i) not in done
+                           for c in range(v) for i in range(m))
+                most[s] = max(most[s], live)
+        assert moved, "the schedule deadlocked"
+    return max(clock), [n / v for n in most]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (4, 4), (4, 8), (3, 2)])
+def test_bubble_and_held_match_a_simulated_schedule(schedule, p, m):
+    makespan, most = _simulate(schedule, p, m)
+    assert makespan == pytest.approx((m + pipeline.bubble(schedule, p)) * 3.0)
+    assert most == [pipeline.held(schedule, p, m, s) for s in range(p)]
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 2, 4), (2, 3, 6), (4, 4, 16)])
+def test_interleaved_matches_a_simulated_schedule(p, v, m):
+    makespan, most = _simulate("interleaved", p, m, v)
+    # the bubble also as Narayanan et al. (SC'21) publish it: (p - 1) / (v m) of the ideal step
+    assert (makespan - m * 3.0) / (m * 3.0) == pytest.approx((p - 1) / (v * m))
+    assert makespan == pytest.approx((m + pipeline.bubble("interleaved", p, v)) * 3.0)
+    assert most == pytest.approx([pipeline.held("interleaved", p, m, s, v) for s in range(p)])
+
+
+def test_balance_is_the_best_contiguous_split():
+    rng = random.Random(0)
+    for _ in range(60):
+        layers, stages, least = rng.randint(2, 9), rng.randint(2, 4), rng.choice([1, 1, 2])
+        if layers < stages * least:
+            continue
+        layer, pre, post = rng.uniform(0.5, 2), rng.uniform(0, 4), rng.uniform(0, 4)
+        time = lambda counts: max(n * layer + (pre if s == 0 else 0) + (post if s == stages - 1 else 0)  # noqa: E731
+                                  for s, n in enumerate(counts))
+        best = min(time(c) for c in itertools.product(range(least, layers + 1), repeat=stages) if sum(c) == layers)
+        counts = pipeline.balance(layers, stages, layer, pre, post, least)
+        assert sum(counts) == layers and min(counts) >= least
+        assert time(counts) == pytest.approx(best)
+
+
+def _tiny_llama(layers: int):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**{**LlamaConfig.tiny().__dict__, "layers": layers}))
+    return model, model.example_inputs(8)
+
+
+def test_held_micro_batches_add_their_saved_activations():
+    """A stage holding 3 micro-batches holds 2 more copies of what one saves, in forward and
+    every phase of backward: the step is as fast, the peak larger, and the least memory any
+    plan needs grows."""
+    model, inputs = _tiny_llama(2)
+    cluster = autoshard.Cluster.preset("dgx-h100")
+    traced = prepare(trace(model, inputs), cluster, inputs, False)[0]
+    one = solve(traced, cluster, None, float("inf"), False, 60)[1]
+    three = solve(traced, cluster, None, float("inf"), False, 60, held_batches=3.0)[1]
+    assert three.objective == pytest.approx(one.objective, rel=2e-3)
+    own = sum(three.memory.saved_by_node.values())   # one micro-batch's, under three's plan
+    assert own > 0 and three.memory.moment not in ("optimizer step", "end of backward")
+    assert 2 * own < three.memory["activations"] <= 3 * own * (1 + 1e-9)
+
+    def least(hold):
+        with pytest.raises(InfeasibleError) as err:
+            solve(traced, cluster, None, 1.0, False, 60, held_batches=hold)
+        return err.value.min_memory
+
+    assert least(3.0) > least(1.0)
+
+
+def test_a_stage_plans_parts_add_up_to_its_step():
+    """Split into one layer, the ops before the layers and after them, per micro-batch and once
+    per step, the plan's own step comes back whole, and each op is where it runs."""
+    model, inputs = _tiny_llama(3)
+    cluster = autoshard.Cluster.preset("dgx-h100")
+    options = dict(recompute=True, time_limit=60, roles=None, strict=False)
+    _, sp = pipeline._stage_plan(model, pipeline.micro_batch(inputs, 2), cluster, 3, 2, [2.0, 1.0],
+                                 cluster.memory_limit, options)
+    per_mb, once = pipeline.split_times(sp, 3).of(3, True, True)
+    assert 2 * per_mb + once == pytest.approx(sp.step_time, rel=1e-9)
+    part = pipeline.parts(sp)
+    where = lambda op: {part[n.name] for n in sp.nodes if n.op == op}  # noqa: E731
+    assert where("aten.embedding.default") == where("aten.embedding_dense_backward.default") == {"pre"}
+    assert where("aten._log_softmax.default") == where("aten._log_softmax_backward_data.default") == {"post"}
+    assert where("aten.mm.default") == {"layer", "post"}   # the layers' projections, the head
+
+
+def test_a_transformers_model_whose_layers_the_stages_do_not_divide():
+    """3 layers of a transformers Qwen2 over 2 stages: uneven stages, the user's model left whole,
+    and the step as the schedule's formula of the parts."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = hf.CausalLM(Qwen2ForCausalLM(hf._config(
+        Qwen2Config, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2)))
+    ids = torch.randint(0, 128, (8, 16))
+    stack = pipeline.repeated_module(model)[2]
+    cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
+    pp = pipeline.plan_pipeline(model, cluster, (ids, ids), stages=2, micro_batches=4, schedules="1f1b",
+                                time_limit=60)
+    assert pipeline.repeated_module(model)[2] is stack and len(stack) == len(model.model.model.layers) == 3
+
+    assert sorted(pp.layers) == [1, 2] and pp.stage_mesh == (1, 8) and pp.held == [2.0, 1.0]
+    assert pp.peak_memory <= pp.memory_limit
+    worst = max(pp.stage_times)
+    assert pp.bubble_time == pytest.approx(worst)   # p - 1 = 1 slot
+    assert pp.step_time == pytest.approx(4 * worst + pp.bubble_time + max(pp.stage_once) + pp.send_time)
+    # the stage with the head (its last) is the slower per layer: it got fewer
+    assert pp.layers == [2, 1] and pp.stage_times[1] > pp.stage_times[0] / 2
+
+
+def test_bad_input_names_what_works():
+    model, inputs = _tiny_llama(4)
+    cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
+    with pytest.raises(ConstraintError, match=r"does not split into 3 .*\[2, 4, 8\]"):
+        pipeline.plan_pipeline(model, cluster, inputs, stages=2, micro_batches=3)
+    with pytest.raises(ConstraintError, match=r"stage counts that do: \[2\]"):
+        pipeline.plan_pipeline(model, cluster, inputs, stages=4, micro_batches=4)
+    with pytest.raises(ConstraintError, match="unknown schedule"):
+        pipeline.plan_pipeline(model, cluster, inputs, schedules=("zb",))
+    mlp, mlp_inputs = autoshard.zoo.get("mlp", "tiny")   # a ModuleList of Linear layers of other shapes
+    with pytest.raises(ConstraintError, match="no repeated layers"):
+        pipeline.plan_pipeline(mlp, cluster, mlp_inputs)
