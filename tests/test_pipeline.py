@@ -14,6 +14,7 @@ import torch
 import autoshard
 from autoshard.errors import ConstraintError, InfeasibleError
 from autoshard.planning import pipeline
+from autoshard.planning.baselines import compare, plan_baseline
 from autoshard.planning.driver import prepare, solve, trace
 from autoshard.zoo import Llama, LlamaConfig, hf
 
@@ -162,13 +163,29 @@ def test_a_transformers_model_whose_layers_the_stages_do_not_divide():
                                 time_limit=60)
     assert pipeline.repeated_module(model)[2] is stack and len(stack) == len(model.model.model.layers) == 3
 
-    assert sorted(pp.layers) == [1, 2] and pp.stage_mesh == (1, 8) and pp.held == [2.0, 1.0]
+    assert sorted(pp.layers) == [1, 2] and pp.stage_mesh == (8,) and pp.held == [2.0, 1.0]
     assert pp.peak_memory <= pp.memory_limit
     worst = max(pp.stage_times)
     assert pp.bubble_time == pytest.approx(worst)   # p - 1 = 1 slot
     assert pp.step_time == pytest.approx(4 * worst + pp.bubble_time + max(pp.stage_once) + pp.send_time)
     # the stage with the head (its last) is the slower per layer: it got fewer
     assert pp.layers == [2, 1] and pp.stage_times[1] > pp.stage_times[0] / 2
+    with pytest.raises(ConstraintError, match="pipeline plans are priced, not run"):
+        autoshard.compile(model, cluster, (ids, ids), plan=pp)
+
+
+def test_fsdp_tp_pp_is_fsdp_and_tp_inside_each_stage():
+    model, inputs = _tiny_llama(4)
+    cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
+    pp = plan_baseline(model, cluster, "fsdp_tp_pp+recompute", inputs, time_limit=60)
+    assert pp.stages == 2 and pp.stage_mesh == (8,) and pp.layers == [2, 2]
+    # tp on the stage's inner dim: the layers' weights are split there, stored and used
+    storage = [pl for name, pl in pp.stage_plan.storage.items() if "blocks" in name and "norm" not in name]
+    assert storage and all("S" in pl for pl in storage)
+    assert all(n.recompute for n in pp.stage_plan.nodes if n.layer is not None and n.op == "aten.mm.default"
+               and n.phase == "fwd")
+    with pytest.raises(ConstraintError, match="plan it with plan_baseline"):
+        compare(model, cluster, inputs, baselines=["fsdp_tp_pp"])
 
 
 def test_bad_input_names_what_works():

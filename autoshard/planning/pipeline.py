@@ -199,15 +199,20 @@ class PipelinePlan:
                 f"{self.send_time * 1e3:.1f} ms), peak {self.peak_memory / 2**30:.1f} GiB")
 
 
-def stage_cluster(cluster: Cluster, stages: int) -> Cluster:
-    """The devices of one stage: the outer mesh dim divided by ``stages``, the other dims whole."""
+def stage_cluster(cluster: Cluster, stages: int, roles: tuple[str, ...] | None = None):
+    """The devices of one stage, and ``roles`` on them: the outer mesh dim divided by
+    ``stages``, the other dims whole, dims of one device dropped (they split nothing)."""
     outer = cluster.mesh_shape[0]
     if outer % stages:
         raise ConstraintError(f"{stages} stages do not divide the outer mesh dim ({outer} of mesh "
                               f"{tuple(cluster.mesh_shape)}); stage counts that do: {divisors(outer)[1:]}")
+    if roles is not None and len(roles) != cluster.ndim:
+        raise ConstraintError(f"roles {roles} name {len(roles)} dims; the stage mesh has {cluster.ndim}")
     shape = (outer // stages, *cluster.mesh_shape[1:])
-    return Cluster(shape, cluster.mesh_dim_names, cluster.device, cluster.links,
-                   ranks_per_node=min(cluster.ranks_per_node, math.prod(shape)))
+    kept = [d for d, size in enumerate(shape) if size > 1] or [cluster.ndim - 1]
+    stage = Cluster(tuple(shape[d] for d in kept), tuple(cluster.mesh_dim_names[d] for d in kept), cluster.device,
+                    tuple(cluster.links[d] for d in kept), ranks_per_node=min(cluster.ranks_per_node, math.prod(shape)))
+    return stage, None if roles is None else tuple(roles[d] for d in kept)
 
 
 @dataclass(frozen=True)
@@ -329,7 +334,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
               else [d for d in divisors(cluster.mesh_shape[0]) if 2 <= d <= n_layers])
     best, tried, why, solves = None, {}, {}, {}
     for p in p_list:
-        stage = stage_cluster(cluster, p)
+        stage, stage_roles = stage_cluster(cluster, p, roles)
         m_list = ([micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
                   if micro_batches is not None else [m for m in (p, 4 * p) if batch % m == 0])
         if not m_list:
@@ -344,7 +349,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
                     continue
                 try:
                     candidate = _price(model, inputs, cluster, stage, p, m, schedule, v, n_layers, limit,
-                                       dict(recompute=recompute, time_limit=time_limit, roles=roles,
+                                       dict(recompute=recompute, time_limit=time_limit, roles=stage_roles,
                                             strict=strict), solves)
                 except (InfeasibleError, SolverError, CutoffError) as exc:
                     tried[key], why[key] = None, failure(exc)
