@@ -172,6 +172,10 @@ def test_a_transformers_model_whose_layers_the_stages_do_not_divide():
     assert pp.layers == [2, 1] and pp.stage_times[1] > pp.stage_times[0] / 2
     with pytest.raises(ConstraintError, match="pipeline plans are priced, not run"):
         autoshard.compile(model, cluster, (ids, ids), plan=pp)
+    again = pipeline.PipelinePlan.from_json(pp.to_json())
+    assert again.to_json() == pp.to_json() and again.layers == pp.layers and again.stage_plan == pp.stage_plan
+    with pytest.raises(autoshard.errors.PlanError, match="not a pipeline plan"):
+        pipeline.PipelinePlan.from_json(pp.stage_plan.to_json())
 
 
 def test_fsdp_tp_pp_is_fsdp_and_tp_inside_each_stage():

@@ -48,6 +48,7 @@ leaves it out (``schedules=("gpipe", ...)`` prices it).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ import torch
 from torch import nn
 
 from autoshard.cluster import Cluster
-from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, SolverError
+from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, PlanError, SolverError
 from autoshard.planning.meshes import divisors, failure
 from autoshard.planning.plan import Plan
 
@@ -191,6 +192,28 @@ class PipelinePlan:
     memory_limit: float
     stage_plan: Plan
     stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """Stable JSON: the pipeline's fields and its stage plan's own JSON (timings left out)."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("stage_plan", "stats")}
+        d.update(kind="pipeline", stage_mesh=list(self.stage_mesh), stage_plan=json.loads(self.stage_plan.to_json()))
+        return json.dumps(d, sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "PipelinePlan":
+        """Read :meth:`to_json` text back (a :class:`PlanError` for anything else)."""
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+            raise PlanError(f"not a pipeline plan file: invalid JSON ({exc})") from exc
+        if not isinstance(d, dict) or d.pop("kind", None) != "pipeline":
+            raise PlanError("not a pipeline plan file: write one with PipelinePlan.to_json()")
+        fields = set(cls.__dataclass_fields__) - {"stats"}
+        if set(d) != fields:
+            raise PlanError(f"pipeline plan file: fields {sorted(set(d) ^ fields)} missing or unknown")
+        d["stage_plan"] = Plan.from_json(json.dumps(d["stage_plan"]))
+        d["stage_mesh"] = tuple(d["stage_mesh"])
+        return cls(**d)
 
     def summary(self) -> str:
         return (f"PP {self.stages}{f' x {self.virtual} virtual' if self.virtual > 1 else ''}, {self.schedule}, "
