@@ -279,6 +279,8 @@ def _raise_unless_solved(status: str, found: float | None, limit: float | None, 
         raise SolverError(f"{backend} found no plan under the cutoff within {time_limit:.0f}s; raise time_limit")
     if status == "infeasible":
         raise InfeasibleError("no plan satisfies the constraints and the memory limit")
+    if status.startswith("HiGHS internal error"):
+        raise SolverError(f"{status}; try recompute=False or 'full', another time_limit, or share_layers=False")
     if status not in ("optimal", "feasible"):
         raise SolverError(f"{backend} found no plan within {time_limit:.0f}s ({status}); raise time_limit")
 
@@ -324,7 +326,23 @@ def _run_highs(m: Model, time_limit: float, mip_gap: float, log: bool, cutoff: f
     params.node_limit = node_limit
     if scaled is not None:
         params.highs.double_options["objective_bound"] = scaled
-    result = _highs(model, params, None if first is None else first[1])
+    try:
+        result = _highs(model, params, None if first is None else first[1])
+    except Exception as exc:  # noqa: BLE001 - only HiGHS's own failure is handled, below
+        if type(exc).__name__ != "StatusNotOk":
+            raise
+        # HiGHS stopped with an internal error (seen in its handling of a new integer solution,
+        # on a 40-layer Llama-3-70B stage started from the first plan): once more from nothing
+        try:
+            params = _highs_parameters(max(deadline - time.perf_counter(), 0.1), mip_gap, log, presolve=True)
+            params.node_limit = node_limit
+            if scaled is not None:
+                params.highs.double_options["objective_bound"] = scaled
+            result = _highs(model, params)
+        except Exception as again:  # noqa: BLE001
+            if type(again).__name__ != "StatusNotOk":
+                raise
+            return f"HiGHS internal error: {again}", None, None, None
     reason = result.termination.reason
     # the objective is bounded below (every cost is >= 0), so "infeasible or unbounded" is infeasible
     if reason in (result_pb2.TERMINATION_REASON_INFEASIBLE, result_pb2.TERMINATION_REASON_INFEASIBLE_OR_UNBOUNDED):

@@ -375,7 +375,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
                                        dict(recompute=recompute, time_limit=time_limit, roles=stage_roles,
                                             strict=strict), solves)
                 except (InfeasibleError, SolverError, CutoffError) as exc:
-                    tried[key], why[key] = None, failure(exc)
+                    tried[key], why[key] = None, f"{failure(exc)}: {exc}"
                     continue
                 except ConstraintError as exc:   # this candidate cannot be cut so: the others may
                     tried[key], why[key] = None, str(exc)
