@@ -3,7 +3,7 @@ pipeline search for each stage count (stages over the node dim, micro-batches p 
 and interleaved 1F1B; the free pipeline plan is the fastest of them), the hand layout
 FSDP x TP x PP 8 (``fsdp_tp_pp``, with and without full recompute), the free plan without
 stages on the cluster's mesh, and the FSDP and TP x FSDP baselines without stages (each with
-and without full recompute), with every planning time. Predicted figures (the cost model's), all on meta tensors. Writes bench/out/pipeline.json.
+and without full recompute), with every planning time. Predicted figures (the cost model's), bf16, all on meta tensors. Writes bench/out/pipeline.json.
 
     .venv/bin/python bench/pipeline.py [--cases 70b-h100x16 70b-perlmutter64 405b-h100x64] [--seq 4096]
 """
@@ -38,7 +38,7 @@ def model_of(size: str, seq: int):
         cfg = LlamaConfig(**{**LlamaConfig.llama3_70b(seq).__dict__, "hidden": 16384, "heads": 128, "kv_heads": 8,
                              "intermediate": 53248, "layers": 126})
     with torch.device("meta"):
-        return Llama(cfg)
+        return Llama(cfg).to(torch.bfloat16)   # bf16 parameters and optimizer state, as bench/long_context.py
 
 
 def row_of(name, p, seconds):
@@ -49,9 +49,10 @@ def row_of(name, p, seconds):
     if isinstance(p, PipelinePlan):
         out.update(stages=p.stages, virtual=p.virtual, micro_batches=p.micro_batches, schedule=p.schedule,
                    layers=p.layers, stage_mesh=list(p.stage_mesh), bubble_s=p.bubble_time, send_s=p.send_time,
-                   solves=p.stats.get("solves"), candidates=p.stats.get("candidates"))
+                   solves=p.stats.get("solves"), candidates=p.stats.get("candidates"), errors=p.stats.get("errors"),
+                   stopped=p.stats.get("stopped"), status=p.stage_plan.solver["status"])
     else:
-        out.update(mesh=list(p.mesh_shape), baseline=p.stats.get("baseline"))
+        out.update(mesh=list(p.mesh_shape), baseline=p.stats.get("baseline"), status=p.solver["status"])
     return out
 
 

@@ -8,8 +8,9 @@ Micro-batches: the global batch B in m equal parts of b = B/m. Per stage s, with
     t_s = n_s * l + [s = 0] * pre + [s = p-1] * post        one micro-batch, forward and backward
     O_s = its share of what runs once per step              gradient reductions, the optimizer
 
-where l, pre and post (the layers before the first repeated layer, and after the last: the
-embeddings; the head and the loss) come from one intra-op plan (below). The step is
+where l is one repeated layer's time, pre that of the ops before the first layer (the
+embeddings) and post that of the ops after the last (the head and the loss), all from one
+intra-op plan (below). The step is
 
     T = (m + bubble) * max_s t_s + max_s O_s + sends
 
@@ -32,13 +33,14 @@ it ran and whose backward it has not:
     1F1B          min(p - s, m)                              the first stage the most
     interleaved   min((v - 1) p + 2 (p - 1 - s) + 1, m v) / v  (torch's warmup, in chunks of 1/v)
 
-The intra-op plan. For each (p, m, schedule) one ILP solves a copy of the model cut to k layers,
-k = max_s n_s, with its embeddings and head, at micro-batch b, on the stage mesh, under the
-memory cap, for m micro-batches per step (gradients accumulated), its saved activations held
-H = max_s held_s times, the head's held_{p-1} times (solver/memory.py: ``held_batches``). Its plan bounds every stage's
-memory: none holds more layers, more in-flight micro-batches, or more than both embeddings and
-head. Its times split into l, pre and post by where each op runs; recompute is chosen by that
-ILP as for any plan, under the stage's cap. Stages share the one solve, as repeated layers do.
+The intra-op plan. For each (p, m, schedule) one ILP solves a copy of the model cut to k
+layers, k = max(2, max_s n_s), with its embeddings and head, at micro-batch b, on the stage
+mesh, under the memory cap, for m micro-batches per step (gradients accumulated), its saved
+activations held H = max_s held_s times and the head's held_{p-1} times (solver/memory.py:
+``held_batches``). Its plan bounds every stage's memory: none holds more layers, more
+micro-batches in flight, or more than both embeddings and head. Its times split into l, pre and
+post by where each op runs (:func:`parts`); recompute is chosen by that ILP as for any plan,
+under the stage's cap. Stages share the one solve, as repeated layers do.
 
 Limits: pipeline plans are priced, not run: ``autoshard.compile`` does not take them yet. Only
 the outer mesh dim carries stages. GPipe prices as 1F1B with more memory, so the default search
@@ -344,7 +346,8 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
     uses ``virtual`` chunks per rank. ``roles``: a hand layout inside each stage
     (:mod:`autoshard.planning.roles`, one per dim of the stage mesh), else the free plan.
     ``plan.stats["candidates"]`` lists every candidate's step time (None: no plan;
-    ``stats["errors"]`` says why). Raises InfeasibleError when none fits."""
+    ``stats["errors"]`` says why; ``stats["stopped"]``: those whose solve stopped at
+    ``time_limit``, priced at the plan it had then). Raises InfeasibleError when none fits."""
     start = time.perf_counter()
     _, _, stack = repeated_module(model)
     n_layers = len(stack)
@@ -355,7 +358,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
         held(name, 1, 1, 0)   # an unknown name is refused before anything is solved
     p_list = ([stages] if isinstance(stages, int) else list(stages) if stages is not None
               else [d for d in divisors(cluster.mesh_shape[0]) if 2 <= d <= n_layers])
-    best, tried, why, solves = None, {}, {}, {}
+    best, tried, why, solves, stopped = None, {}, {}, {}, []
     for p in p_list:
         stage, stage_roles = stage_cluster(cluster, p, roles)
         m_list = ([micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
@@ -381,12 +384,15 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
                     tried[key], why[key] = None, str(exc)
                     continue
                 tried[key] = candidate.step_time
+                if candidate.stage_plan.solver["status"] != "optimal":   # stopped by time_limit (warned)
+                    stopped.append(key)
                 if best is None or candidate.step_time < best.step_time:
                     best = candidate
     if best is None:
         raise InfeasibleError(f"no pipeline plan fits {limit / 2**30:.2f} GiB per device; tried "
                               + ", ".join(f"{k} ({why.get(k)})" for k in tried))
-    best.stats.update(candidates=tried, errors=why, solves=len(solves), total_s=time.perf_counter() - start)
+    best.stats.update(candidates=tried, errors=why, stopped=stopped, solves=len(solves),
+                      total_s=time.perf_counter() - start)
     return best
 
 
