@@ -100,6 +100,10 @@ def test_balance_is_the_best_contiguous_split():
         counts = pipeline.balance(layers, stages, layer, pre, post, least)
         assert sum(counts) == layers and min(counts) >= least
         assert time(counts) == pytest.approx(best)
+        # and the most even of the best: no best split has a smaller spread of layers
+        spread = min(max(c) - min(c) for c in itertools.product(range(least, layers + 1), repeat=stages)
+                     if sum(c) == layers and time(c) <= best * (1 + 1e-9))
+        assert max(counts) - min(counts) == spread
 
 
 def _tiny_llama(layers: int):

@@ -88,7 +88,8 @@ def bubble(schedule: str, stages: int, virtual: int = 1) -> float:
 def balance(layers: int, stages: int, layer: float, pre: float = 0.0, post: float = 0.0,
             least: int = 1) -> list[int]:
     """Layers per stage, contiguous and at least ``least`` each, minimizing the slowest stage's
-    time n_s * layer + [first] pre + [last] post; ties go to the earlier stages taking more."""
+    time n_s * layer + [first] pre + [last] post; of the splits that do, the most even one (the
+    earlier stages take the odd layers)."""
     if layers < stages * least:
         raise ConstraintError(f"{layers} layers cannot fill {stages} stages of at least {least}")
     extra = [pre if s == 0 else 0.0 for s in range(stages)]
@@ -98,11 +99,17 @@ def balance(layers: int, stages: int, layer: float, pre: float = 0.0, post: floa
         room = [max(0, math.floor((bound - e) / layer + 1e-9)) if layer > 0 else layers for e in extra]
         if any(r < least for r in room) or sum(room) < layers:
             return None
-        counts, left = [least] * stages, layers - least * stages
-        for s in sorted(range(stages), key=lambda s: extra[s]):   # the cheap stages fill first
-            more = min(room[s] - least, left)
-            counts[s] += more
-            left -= more
+        # as even as the rooms allow: every stage up to one level, then the last ones at the
+        # level give one back until the count is right (the level is the least that holds them
+        # all, so fewer than the stages at it give back)
+        level = least
+        while sum(min(r, level) for r in room) < layers:
+            level += 1
+        counts, spare = [min(r, level) for r in room], sum(min(r, level) for r in room) - layers
+        for s in reversed(range(stages)):
+            if spare and counts[s] == level and level > least:
+                counts[s] -= 1
+                spare -= 1
         return counts
 
     bounds = sorted({n * layer + e for e in extra for n in range(least, layers + 1)})
