@@ -279,8 +279,6 @@ def _raise_unless_solved(status: str, found: float | None, limit: float | None, 
         raise SolverError(f"{backend} found no plan under the cutoff within {time_limit:.0f}s; raise time_limit")
     if status == "infeasible":
         raise InfeasibleError("no plan satisfies the constraints and the memory limit")
-    if status.startswith("HiGHS internal error"):
-        raise SolverError(f"{status}; try recompute=False or 'full', another time_limit, or share_layers=False")
     if status not in ("optimal", "feasible"):
         raise SolverError(f"{backend} found no plan within {time_limit:.0f}s ({status}); raise time_limit")
 
@@ -328,21 +326,16 @@ def _run_highs(m: Model, time_limit: float, mip_gap: float, log: bool, cutoff: f
         params.highs.double_options["objective_bound"] = scaled
     try:
         result = _highs(model, params, None if first is None else first[1])
-    except Exception as exc:  # noqa: BLE001 - only HiGHS's own failure is handled, below
-        if type(exc).__name__ != "StatusNotOk":
+    except HighsFailure:
+        if first is None:
             raise
-        # HiGHS stopped with an internal error (seen in its handling of a new integer solution,
-        # on a 40-layer Llama-3-70B stage started from the first plan): once more from nothing
-        try:
-            params = _highs_parameters(max(deadline - time.perf_counter(), 0.1), mip_gap, log, presolve=True)
-            params.node_limit = node_limit
-            if scaled is not None:
-                params.highs.double_options["objective_bound"] = scaled
-            result = _highs(model, params)
-        except Exception as again:  # noqa: BLE001
-            if type(again).__name__ != "StatusNotOk":
-                raise
-            return f"HiGHS internal error: {again}", None, None, None
+        # seen in HiGHS's handling of a new integer solution, on a 40-layer Llama-3-70B stage
+        # started from the first plan: once more from nothing
+        params = _highs_parameters(max(deadline - time.perf_counter(), 0.1), mip_gap, log, presolve=True)
+        params.node_limit = node_limit
+        if scaled is not None:
+            params.highs.double_options["objective_bound"] = scaled
+        result = _highs(model, params)
     reason = result.termination.reason
     # the objective is bounded below (every cost is >= 0), so "infeasible or unbounded" is infeasible
     if reason in (result_pb2.TERMINATION_REASON_INFEASIBLE, result_pb2.TERMINATION_REASON_INFEASIBLE_OR_UNBOUNDED):
@@ -421,6 +414,10 @@ def _highs_parameters(time_limit: float, mip_gap: float, log: bool, presolve: bo
     return params
 
 
+class HighsFailure(SolverError):
+    """HiGHS stopped with an internal error (not a limit, not infeasibility)."""
+
+
 def _highs(model, params: mathopt.SolveParameters, hint: list[float] | None = None) -> result_pb2.SolveResultProto:
     """One HiGHS solve of a MathOpt proto (the proto-level call: MathOpt's Python Model would
     rebuild the model), started from ``hint`` (a value per variable) if given."""
@@ -429,8 +426,14 @@ def _highs(model, params: mathopt.SolveParameters, hint: list[float] | None = No
         values = start.solution_hints.add().variable_values
         values.ids.extend(range(len(hint)))
         values.values.extend(hint)
-    return mathopt_core.solve(model, mathopt.SolverType.HIGHS.value, StreamableSolverInitArguments().to_proto(),
-                              params.to_proto(), start, None, CallbackRegistration().to_proto(), None, None)
+    try:
+        return mathopt_core.solve(model, mathopt.SolverType.HIGHS.value, StreamableSolverInitArguments().to_proto(),
+                                  params.to_proto(), start, None, CallbackRegistration().to_proto(), None, None)
+    except Exception as exc:  # noqa: BLE001 - MathOpt's StatusNotOk (pybind11_abseil), typed here
+        if type(exc).__name__ != "StatusNotOk":
+            raise
+        raise HighsFailure(f"HiGHS stopped with an internal error ({exc}); try another time_limit, "
+                           f"recompute=False or 'full', or share_layers=False") from exc
 
 
 def _values(result, model) -> list[float] | None:

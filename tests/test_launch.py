@@ -167,7 +167,8 @@ def test_a_job_that_cannot_load_in_the_rank_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p != str(tmp_path)])
     with pytest.raises(DistributedRunError, match=r"rank \d could not load the job") as err:
         run_local(vanishing_job.job, 2, timeout=60)
-    assert "init_process_group" not in str(err.value)
-    # both fail at once: the grace after the first report names the other too
-    assert set(err.value.errors) == {0, 1}, err.value
+    # every rank that reported says so (the grace after the first report reads the others'
+    # reports too; one slower than that is listed as terminated)
+    assert err.value.errors and "init_process_group" not in str(err.value) and " died" not in str(err.value)
+    assert set(err.value.errors) | set(err.value.missing) == {0, 1}
     _assert_reaped()

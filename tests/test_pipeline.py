@@ -151,6 +151,18 @@ def test_a_stage_plans_parts_add_up_to_its_step():
     assert where("aten.mm.default") == {"layer", "post"}   # the layers' projections, the head
 
 
+def test_a_stage_sends_its_hidden_state():
+    """On one device nothing is split: a rank sends the whole hidden state of a micro-batch,
+    batch x sequence x hidden x 4 bytes (float32), and nothing else."""
+    model, inputs = _tiny_llama(2)
+    cluster = autoshard.Cluster.local(1)
+    options = dict(recompute=False, time_limit=60, roles=None, strict=False)
+    traced, sp = pipeline._stage_plan(model, pipeline.micro_batch(inputs, 2), cluster, 2, 2, [1.0, 1.0],
+                                      float("inf"), options)
+    cfg = LlamaConfig.tiny()   # what _tiny_llama builds, but for its layer count
+    assert pipeline.boundary_bytes(sp, traced) == 4 * cfg.seq * cfg.hidden * 4
+
+
 def test_a_transformers_model_whose_layers_the_stages_do_not_divide():
     """3 layers of a transformers Qwen2 over 2 stages: uneven stages, the user's model left whole,
     and the step as the schedule's formula of the parts."""

@@ -188,9 +188,10 @@ def failure(exc: Exception) -> str:
     """Why a logical mesh has no plan, in one word: "time_limit" (a SolverError: no plan within
     ``time_limit``, so that mesh was not priced), "slower" (a CutoffError: proven no faster than
     the best mesh before it, to within the solve's gap, or without a plan at all), "infeasible" (nothing fits the memory
-    limit) or "constraint" (the grid cannot express the strategy or split the batch)."""
+    limit), "constraint" (the grid cannot express the strategy or split the batch) or
+    "solver_error" (HiGHS stopped with an internal error)."""
     if isinstance(exc, CutoffError):
         return "slower"
     if isinstance(exc, SolverError):
-        return "time_limit"
+        return "solver_error" if "internal error" in str(exc) else "time_limit"
     return "infeasible" if isinstance(exc, InfeasibleError) else "constraint"

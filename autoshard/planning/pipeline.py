@@ -239,11 +239,23 @@ def stage_cluster(cluster: Cluster, stages: int, roles: tuple[str, ...] | None =
         raise ConstraintError(f"{stages} stages do not divide the outer mesh dim ({outer} of mesh "
                               f"{tuple(cluster.mesh_shape)}); stage counts that do: {divisors(outer)[1:]}")
     if roles is not None and len(roles) != cluster.ndim:
-        raise ConstraintError(f"roles {roles} name {len(roles)} dims; the stage mesh has {cluster.ndim}")
+        raise ConstraintError(f"roles {roles} name {len(roles)} dims; give one per dim of the cluster's mesh "
+                              f"{tuple(cluster.mesh_shape)}")
     shape = (outer // stages, *cluster.mesh_shape[1:])
+    # the outer dim's hardware levels keep their inner ones whole: a stage takes whole nodes of it
+    levels, left = [], outer // stages
+    for ranks, link in cluster.levels[0]:
+        take = math.gcd(ranks, left)
+        levels.append((take, link))
+        left //= take
+    if left != 1:
+        raise ConstraintError(f"{stages} stages do not cut the outer mesh dim along its hardware levels "
+                              f"{[r for r, _ in cluster.levels[0]]}; use a stage count that does")
+    levels = [tuple(lv for lv in levels if lv[0] > 1) or ((1, cluster.links[0]),), *cluster.levels[1:]]
     kept = [d for d, size in enumerate(shape) if size > 1] or [cluster.ndim - 1]
     stage = Cluster(tuple(shape[d] for d in kept), tuple(cluster.mesh_dim_names[d] for d in kept), cluster.device,
-                    tuple(cluster.links[d] for d in kept), ranks_per_node=min(cluster.ranks_per_node, math.prod(shape)))
+                    tuple(cluster.links[d] for d in kept), ranks_per_node=min(cluster.ranks_per_node, math.prod(shape)),
+                    levels=[levels[d] for d in kept], calibration=cluster.calibration)
     return stage, None if roles is None else tuple(roles[d] for d in kept)
 
 
@@ -336,10 +348,13 @@ def boundary_bytes(plan: Plan, traced) -> float:
             nbytes = tensor_bytes(node.meta["val"])
             strategies = node.meta[META_KEY].strategies
             strategy = next((s for s in strategies if str(s) == choice.get(node.name)), None)
-            share = 1
-            if strategy is not None:
-                share = math.prod(size for pl, size in zip(strategy.outputs[0], plan.mesh_shape) if pl.is_shard())
+            if strategy is None:
+                raise ConstraintError(f"the stage's plan has no strategy of {node.name} that its graph knows")
+            share = math.prod(size for pl, size in zip(strategy.outputs[0], plan.mesh_shape) if pl.is_shard())
             total += nbytes / share
+    if total == 0:
+        raise ConstraintError("no tensor crosses from the stage's first layer to its second: its layers "
+                              "hand nothing on, so they cannot be cut into stages")
     return total
 
 
@@ -351,10 +366,12 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
     outer mesh dim from 2 up, at most the layer count), ``micro_batches`` (an int, a list, or
     None: p and 4p where they divide the batch) and ``schedules`` (module docstring); interleaved
     uses ``virtual`` chunks per rank. ``roles``: a hand layout inside each stage
-    (:mod:`autoshard.planning.roles`, one per dim of the stage mesh), else the free plan.
+    (:mod:`autoshard.planning.roles`, one per dim of the cluster's mesh; a dim a stage has one
+    device of drops its role), else the free plan.
     ``plan.stats["candidates"]`` lists every candidate's step time (None: no plan;
     ``stats["errors"]`` says why; ``stats["stopped"]``: those whose solve stopped at
-    ``time_limit``, priced at the plan it had then). Raises InfeasibleError when none fits."""
+    ``time_limit``, priced at the plan it had then). Raises InfeasibleError when no candidate fits,
+    SolverError when none has a plan and some were not solved within ``time_limit``."""
     start = time.perf_counter()
     _, _, stack = repeated_module(model)
     n_layers = len(stack)
@@ -396,8 +413,11 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
                 if best is None or candidate.step_time < best.step_time:
                     best = candidate
     if best is None:
-        raise InfeasibleError(f"no pipeline plan fits {limit / 2**30:.2f} GiB per device; tried "
-                              + ", ".join(f"{k} ({why.get(k)})" for k in tried))
+        tried_all = ", ".join(f"{k} ({why.get(k)})" for k in tried)
+        if any(w.startswith(("time_limit", "solver_error")) for w in why.values()):
+            raise SolverError(f"no pipeline plan found: some candidates were not solved within time_limit="
+                              f"{time_limit:g}s or failed in the solver; tried {tried_all}")
+        raise InfeasibleError(f"no pipeline plan fits {limit / 2**30:.2f} GiB per device; tried {tried_all}")
     best.stats.update(candidates=tried, errors=why, stopped=stopped, solves=len(solves),
                       total_s=time.perf_counter() - start)
     return best
