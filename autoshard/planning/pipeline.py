@@ -61,7 +61,7 @@ from torch import nn
 from autoshard.cluster import Cluster
 from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, PlanError, SolverError
 from autoshard.planning.meshes import divisors, failure
-from autoshard.planning.plan import Plan
+from autoshard.planning.plan import Plan, read_json
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -211,10 +211,7 @@ class PipelinePlan:
     @classmethod
     def from_json(cls, text: str | bytes) -> "PipelinePlan":
         """Read :meth:`to_json` text back (a :class:`PlanError` for anything else)."""
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
-            raise PlanError(f"not a pipeline plan file: invalid JSON ({exc})") from exc
+        d = read_json(text, "pipeline plan")
         if not isinstance(d, dict) or d.pop("kind", None) != "pipeline":
             raise PlanError("not a pipeline plan file: write one with PipelinePlan.to_json()")
         fields = set(cls.__dataclass_fields__) - {"stats"}

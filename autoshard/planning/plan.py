@@ -40,6 +40,14 @@ class NodeDecision:
                                    # activation from forward to backward (saved, not recomputed)
 
 
+def read_json(text: str | bytes, what: str):
+    """``text`` parsed, or a :class:`PlanError` saying it is no ``what`` file."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+        raise PlanError(f"not a {what} file: invalid JSON ({exc})") from exc
+
+
 @dataclass
 class Plan:
     fingerprint: str
@@ -88,10 +96,7 @@ class Plan:
     @classmethod
     def from_json(cls, text: str | bytes) -> "Plan":
         """Read :meth:`to_json` text back; anything else raises :class:`PlanError` saying what is wrong."""
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
-            raise PlanError(f"not a plan file: invalid JSON ({exc})") from exc
+        d = read_json(text, "plan")
         if not isinstance(d, dict) or "schema" not in d:
             raise PlanError("not a plan file: JSON without the 'schema' field every saved plan has "
                             "(write one with plan.save(path) or 'autoshard plan ... --out FILE.json')")
