@@ -118,9 +118,6 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     priced for fused kernels. Default: the given plan's, else "eager"."""
     from autoshard.planning.pipeline import PipelinePlan
 
-    if isinstance(plan, PipelinePlan):
-        raise ConstraintError("pipeline plans are priced, not run yet: compile takes a Plan without stages "
-                              "(autoshard.plan, or a baseline other than fsdp_tp_pp)")
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterError("autoshard.compile needs an initialized process group (torch.distributed."
                            "init_process_group, or launch with torchrun); use autoshard.plan to plan without one")
@@ -135,6 +132,9 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         raise ConstraintError("compile(plan=...) runs the given plan as it is; constraints, memory_limit, "
                               "recompute, allow and moe_imbalance only apply when planning: re-plan with them, "
                               "or drop them")
+    if isinstance(plan, PipelinePlan):
+        return _compile_pipeline(model, cluster, example_inputs, plan, mixed_precision, grad_accumulation, backend,
+                                 time_limit, strict)
     if plan is not None and tuple(plan.mesh_shape) != tuple(cluster.mesh_shape) \
             and math.prod(plan.mesh_shape) == cluster.world_size:
         # a plan made on a logical mesh (autoshard.planning.meshes) runs on that grid of the same devices
@@ -178,3 +178,21 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
         plan = Plan.from_json(box[0])
     plan.check_matches(traced.fingerprint, cluster.to_json(), backend)
     return build(model, traced, plan, cluster, device, mixed_precision, grad_accumulation)
+
+
+def _device() -> torch.device:
+    """Where this rank computes: NCCL's ranks on GPUs, gloo's on CPUs."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _compile_pipeline(model, cluster, example_inputs, plan, mixed_precision, grad_accumulation, backend,
+                      time_limit, strict):
+    from autoshard.runtime.pipeline import build_pipeline
+
+    if mixed_precision is not None or grad_accumulation not in (None, 1) or backend not in (None, "eager"):
+        raise ConstraintError("a pipeline plan runs in the model's dtype, eagerly, its micro-batches accumulated "
+                              "by its schedule: drop mixed_precision, grad_accumulation and backend, or plan "
+                              "without stages")
+    return build_pipeline(model, cluster, example_inputs, plan, _device(), time_limit=time_limit, strict=strict)

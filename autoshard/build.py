@@ -44,26 +44,33 @@ def choice_from_plan(traced, the_plan: Plan) -> dict:
     return choice
 
 
-def build(model: nn.Module, traced: TracedModel, plan: Plan, cluster: Cluster, device: torch.device,
-          mixed_precision: MixedPrecision | None, grad_accumulation: int) -> DistributedModule:
-    """This rank's module running ``plan`` (made for ``traced``, the model traced for ``device``)
-    on ``cluster``'s mesh; every rank of the process group calls it."""
-    device_type = device.type
-    choice = choice_from_plan(traced, plan)
-
+def device_mesh(cluster: Cluster, device_type: str):
+    """The cluster's mesh over the whole process group (every rank calls it)."""
     # sub-groups of an N-D mesh inherit the user's process-group options (its timeout above all:
     # a dead peer must fail the job in the user's time, not torch's 30-minute default; a fake
     # group, under simulated ranks, has none)
     options = _torch.default_group_options(device_type) if len(cluster.mesh_shape) > 1 else None
     override = None if options is None else dict.fromkeys(range(len(cluster.mesh_shape)), options)
-    mesh = torch.distributed.device_mesh.init_device_mesh(device_type, tuple(cluster.mesh_shape),
+    return torch.distributed.device_mesh.init_device_mesh(device_type, tuple(cluster.mesh_shape),
                                                           mesh_dim_names=tuple(cluster.mesh_dim_names),
                                                           backend_override=override)
+
+
+def build(model: nn.Module, traced: TracedModel, plan: Plan, cluster: Cluster, device: torch.device,
+          mixed_precision: MixedPrecision | None, grad_accumulation: int, mesh=None) -> DistributedModule:
+    """This rank's module running ``plan`` (made for ``traced``, the model traced for ``device``)
+    on ``cluster``'s mesh; every rank of the process group calls it. ``mesh``: the device mesh to
+    run on instead (a pipeline stage's, a sub-mesh of the whole group's; only its ranks call)."""
+    device_type = device.type
+    choice = choice_from_plan(traced, plan)
+    mesh = device_mesh(cluster, device_type) if mesh is None else mesh
     rep = [Replicate()] * mesh.ndim
 
     def distribute(full: torch.Tensor, placements) -> DTensor:
         full = full.detach().to(device).clone()
-        dist.broadcast(full, src=0)  # every rank starts from rank 0's values, as DDP does
+        # every rank starts from the values of the mesh's first rank, as DDP does from rank 0's
+        for d in range(mesh.ndim):
+            dist.broadcast(full, group=mesh.get_group(d), group_src=0)
         return DTensor.from_local(full, mesh, rep, run_check=False).redistribute(mesh, placements)
 
     named = dict(model.named_parameters())
@@ -98,7 +105,10 @@ def build(model: nn.Module, traced: TracedModel, plan: Plan, cluster: Cluster, d
     return DistributedModule(plan, mesh, fw, bw, n_out, params, buffers, input_pl, traced.input_meta,
                              aliases=aliases, grad_placements=grad_pl, reduce_dtype=reduce_dtype,
                              grad_accumulation=grad_accumulation, mixed_precision=mixed_precision,
-                             working=working, bw_sync=bw_sync, reduced=reduced, backend=plan.backend)
+                             working=working, bw_sync=bw_sync, reduced=reduced, backend=plan.backend,
+                             input_grads=[i for i, g in enumerate(traced.input_grads) if g is not None],
+                             tangent_outputs=traced.tangent_outputs,
+                             non_persistent={n for n, _ in traced.buffers} - set(model.state_dict()))
 
 def _reducing_backward(bw, traced, params: dict, grad_pl: list, block_of: dict, reduce_dtype):
     """``bw`` with each block's gradient reductions in it (passes/bucket.py), and the indices of

@@ -148,7 +148,9 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
     """The rank-local joint graph (see module doc). ``local_primals``: local params, buffers, inputs
     in placeholder order (example tensors, for tracing). Returns (graph, number of forward
     outputs, placements of each gradient output: one per parameter, None where it has no
-    gradient); autoshard.collectives.to_storage finishes each gradient."""
+    gradient); autoshard.collectives.to_storage finishes each gradient. The gradients of the
+    inputs that have one (``traced.input_grads``) follow the parameters', each this rank's piece
+    in its input's placement."""
     gm = traced.gm
     placeholders = gm.graph.find_nodes(op="placeholder")
     primal_nodes = [n for n in placeholders if n not in traced.tangents]
@@ -203,10 +205,16 @@ def local_joint(traced, choice: dict[fx.Node, Strategy], mesh, local_primals: li
             g = traced.grads.get(name)
             grads.append(None if g is None else env[g].to_local())
             grad_placements.append(None if g is None else tuple(env[g].placements))
-        return outs + grads
+        # an input's gradient leaves as the gradient of this rank's piece of it: in the input's
+        # placement (the caller's autograd takes it on to the full input)
+        with fx_traceback.annotate({PHASE: "bwd"}):
+            moved = [to_placements(env[g], storage[node]).to_local()
+                     for node, g in zip(traced.inputs, traced.input_grads) if g is not None]
+        return outs + grads + moved
 
     n_tangents = len(traced.tangents)
-    example_tangents = [torch.ones_like(_local_out_example(traced, i)) for i in range(n_tangents)]
+    example_tangents = [torch.ones_like(_local_out_example(traced, traced.tangent_outputs[i]))
+                        for i in range(n_tangents)]
     phase = phases(gm)
     with torch.no_grad(), fx_traceback.preserve_node_meta(), _torch.grouped_mm_any_float():
         local = make_fx(joint, tracing_mode="fake")(list(local_primals), example_tangents)

@@ -42,6 +42,11 @@ class TracedModel:
     tangents: list[fx.Node]
     outputs: list[fx.Node | None]              # forward outputs, in order
     grads: dict[str, fx.Node | None]           # parameter name -> gradient node
+    # per input, its gradient node: None unless the example input requires grad (a pipeline
+    # stage's received activations, autoshard/runtime/pipeline.py)
+    input_grads: list[fx.Node | None] = field(default_factory=list)
+    # per tangent, the forward output it is the gradient of (outputs no gradient reaches have none)
+    tangent_outputs: list[int] = field(default_factory=list)
     input_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     fingerprint: str = ""
     trace_time: float = 0.0                    # seconds spent tracing and annotating
@@ -181,7 +186,8 @@ def trace(model: nn.Module, example_inputs: tuple, device=None) -> TracedModel:
         example_inputs = (example_inputs,)
     device = trace_device(model, example_inputs, device)
     fake_mode = _torch.FakeTensorMode(allow_non_fake_inputs=False)
-    args = tuple(_fake_like(fake_mode, a, device) if isinstance(a, torch.Tensor) else a for a in example_inputs)
+    args = tuple(_fake_like(fake_mode, a, device).requires_grad_(a.requires_grad and a.is_floating_point())
+                 if isinstance(a, torch.Tensor) else a for a in example_inputs)
     was_training = model.training
     try:
         with _fake_parameters(model, fake_mode, device), \
@@ -236,7 +242,8 @@ def _tie(traced: TracedModel, model: nn.Module) -> None:
         traced.params = [(n, node) for n, node in traced.params if n != name]
     # The output node keeps listing every gradient in its own order; autoshard reads the pairing
     # from TracedModel.grads, so rewrite the output to exactly that.
-    out.args = ([*traced.outputs, *[g for g in traced.grads.values() if g is not None]],)
+    out.args = ([*traced.outputs, *[g for g in traced.grads.values() if g is not None],
+                 *[g for g in traced.input_grads if g is not None]],)
     out.meta.pop("desc", None)
     graph.eliminate_dead_code()
     traced.gm.recompile()
@@ -257,11 +264,14 @@ def _pair(gm: fx.GraphModule, example_inputs) -> TracedModel:
         else:
             raise TraceError(f"unexpected graph input {node.name} ({desc!r})")
     (out_node,) = gm.graph.find_nodes(op="output")
-    outputs, grads = [], {}
+    outputs, grads, input_grads = [], {}, [None] * len(inputs)
+    position = {node.meta["desc"].idx: i for i, node in enumerate(inputs)}
     for val, desc in zip(out_node.args[0], out_node.meta.get("desc", [])):
         if val is None and desc is None:  # gradient slot of an input that needs none
             continue
-        if isinstance(desc, _torch.GradAOTOutput):
+        if isinstance(desc, _torch.GradAOTOutput) and isinstance(desc.grad_of, _torch.PlainAOTInput):
+            input_grads[position[desc.grad_of.idx]] = val
+        elif isinstance(desc, _torch.GradAOTOutput):
             grads[desc.grad_of.target] = val
         elif isinstance(desc, _torch.PlainAOTOutput):
             outputs.append(val)
@@ -274,7 +284,9 @@ def _pair(gm: fx.GraphModule, example_inputs) -> TracedModel:
             raise TraceError(f"unexpected graph output {val} ({desc!r}); autoshard traces models whose "
                              f"forward returns tensors and does not mutate its inputs")
     meta = [(tuple(a.shape), a.dtype) for a in example_inputs if isinstance(a, torch.Tensor)]
-    return TracedModel(gm, params, buffers, inputs, tangents, outputs, grads, meta, _fingerprint(gm))
+    tangent_outputs = [t.meta["desc"].output.idx for t in tangents]
+    return TracedModel(gm, params, buffers, inputs, tangents, outputs, grads, input_grads, tangent_outputs, meta,
+                       _fingerprint(gm))
 
 
 def _fingerprint(gm: fx.GraphModule) -> str:

@@ -200,6 +200,7 @@ class PipelinePlan:
     peak_memory: float
     memory_limit: float
     stage_plan: Plan
+    roles: list[str] | None = None      # the hand layout inside each stage (one per cluster dim), if any
     stats: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -398,6 +399,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
                     candidate = _price(model, inputs, cluster, stage, p, m, schedule, v, n_layers, limit,
                                        dict(recompute=recompute, time_limit=time_limit, roles=stage_roles,
                                             strict=strict), solves)
+                    candidate.roles = None if roles is None else list(roles)
                 except (InfeasibleError, SolverError, CutoffError) as exc:
                     tried[key], why[key] = None, f"{failure(exc)}: {exc}"
                     continue

@@ -75,6 +75,8 @@ def load(path: str | os.PathLike, module: DistributedModule, optimizer: torch.op
     nested = any(k.startswith("model.") for k in saved)  # save()'s layout, else a bare state_dict()
     found = _section(saved, "model." if nested else "")
     expected = module.expected_state(optional=found)
+    if getattr(module, "partial_state", False):   # a pipeline rank holds its stages' entries only
+        found = {k: v for k, v in found.items() if k in expected}
     check_against(expected, found, source=source)
     if not nested:
         if optimizer is not None:

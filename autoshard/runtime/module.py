@@ -105,7 +105,8 @@ class _PlanStep(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         args = [next(tensors) if is_t else next(others) for is_t in ctx.layout]
-        args += [g.contiguous() if g is not None else g for g in grad_outputs]
+        # the graph takes a tangent for each output a gradient can reach, no other
+        args += [None if (g := grad_outputs[i]) is None else g.contiguous() for i in ctx.module._tangent_outputs]
         # The backward graph takes its inputs boxed and frees each saved activation after its last
         # use; for that no one else may hold them: autograd's saved copies go now (unless
         # retain_graph), as in AOTAutograd's runtime. Without it every activation lived until the
@@ -119,12 +120,17 @@ class _PlanStep(torch.autograd.Function):
         in_graph = sync and module._bw_sync is not None and not module.__dict__["_unreduced"]
         grads = list(module._run["_bw_sync" if in_graph else "_bw"](args))
         n_params = len(module._param_names)
+        # after the parameters', the gradients of the inputs that take one (a pipeline stage's
+        # received activations), each of this rank's piece
+        inputs = [None] * len(module._input_meta)
+        for i, g in zip(module._input_grads, grads[n_params:]):
+            inputs[i] = g
+        del grads[n_params:]
         # drops each parameter's entry once it is delivered
         module._take_grads(grads, sync, module._reduced if in_graph else frozenset())
         # the gradients were delivered to .grad above, in storage placement; autograd's path
         # through to_local() would label an unreduced partial sum as the parameter's placement
-        n_rest = len(module._buffer_names) + len(module._input_meta)
-        return (None, *([None] * (n_params + n_rest)))
+        return (None, *([None] * (n_params + len(module._buffer_names))), *inputs)
 
 
 def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -135,7 +141,7 @@ def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _register(root: nn.Module, fqn: str, value, kind: str) -> None:
+def _register(root: nn.Module, fqn: str, value, kind: str, persistent: bool = True) -> None:
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
@@ -145,7 +151,7 @@ def _register(root: nn.Module, fqn: str, value, kind: str) -> None:
     if kind == "param":
         mod.register_parameter(leaf, value)
     else:
-        mod.register_buffer(leaf, value)
+        mod.register_buffer(leaf, value, persistent=persistent)
 
 
 class DistributedModule(nn.Module):
@@ -154,7 +160,7 @@ class DistributedModule(nn.Module):
                  input_meta: list, aliases: dict[str, str] | None = None, grad_placements: list | None = None,
                  reduce_dtype: torch.dtype | None = None, grad_accumulation: int = 1, mixed_precision=None,
                  working: dict | None = None, bw_sync: fx.GraphModule | None = None, reduced=(),
-                 backend: str = "eager"):
+                 backend: str = "eager", input_grads=(), tangent_outputs=None, non_persistent=None):
         super().__init__()
         self.plan = plan
         self.mesh = mesh
@@ -177,12 +183,14 @@ class DistributedModule(nn.Module):
         self._plain = mesh.size() == 1
         for name, p in params.items():
             _register(self, name, nn.Parameter(p.to_local().detach() if self._plain else p), "param")
-        for name, b in buffers.items():
-            _register(self, name, b, "buffer")
+        for name, b in buffers.items():   # a buffer the model keeps out of its state dict stays out
+            _register(self, name, b, "buffer", persistent=name not in (non_persistent or ()))
         self._aliases: dict[str, str] = {}
         self.tie(aliases or {})
         self._input_placements = input_placements
         self._input_meta = input_meta  # global (shape, dtype) per input
+        self._input_grads = tuple(input_grads)  # the inputs backward hands a gradient, in order
+        self._tangent_outputs = tuple(range(num_outputs) if tangent_outputs is None else tangent_outputs)
         # parameters whose plan computes with a gathered copy (working placement != storage);
         # on one device every placement holds the full tensor: the parameter is its working copy
         self._working = {} if self._plain else {self._param_names.index(n): pl for n, pl in (working or {}).items()}

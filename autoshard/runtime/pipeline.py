@@ -1,0 +1,371 @@
+"""Pipeline stages, run: a :class:`~autoshard.planning.pipeline.PipelinePlan` as torch.distributed.pipelining
+stages, each a compiled module on its stage's devices.
+
+The model is cut into p x v stage programs at the first layer of each stage
+(``torch.distributed.pipelining.pipeline``, which traces the model's forward and keeps every
+parameter's name). Rank coordinates: the outer mesh dim of N becomes (p, N/p); stage program j runs
+on the ranks of pipeline coordinate j mod p (torch's loop order: interleaved gives each rank v of
+them), on a sub-mesh of N/p x the inner dims. Each stage program is planned by the ILP on that
+sub-mesh (its held micro-batches from the schedule, its gradients accumulated over the m
+micro-batches) and built as a :class:`~autoshard.runtime.module.DistributedModule`: DTensor
+parameters under the model's names, gradients reduced to storage once per step.
+
+Between stages travel full tensors: a stage hands on its outputs in full, identical on every rank
+of its sub-mesh (as a compiled module returns them), rank (s, i) to rank (s + 1, i); the receiver
+cuts its piece, and gives back the gradient of the full input (its pieces' gradients gathered,
+DTensor's autograd). Inputs of the model that a later stage reads (the targets, for the loss)
+do not travel: every rank has the global batch, and a stage takes the micro-batch it is on.
+
+Every rank calls :meth:`PipelineModule.step` with the global batch; it runs the schedule's
+forwards and backwards of all m micro-batches and returns the mean loss, on every rank.
+``state_dict()`` holds this rank's stages' entries under the model's names, so
+torch.distributed.checkpoint saves a pipeline and loads it into any other plan, pipeline or not.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autoshard import _torch
+from autoshard.cluster import Cluster
+from autoshard.errors import ConstraintError, RuntimeMismatchError, TraceError
+from autoshard.planning.pipeline import PipelinePlan, batch_size, held, micro_batch, repeated_module, stage_cluster
+from autoshard.planning.plan import Plan
+from autoshard.runtime.module import DistributedModule, _register
+
+
+def stage_layers(plan: PipelinePlan) -> list[int]:
+    """Layers of each of the p x v stage programs, in model order: rank r's n_r layers in v
+    near-even chunks, program j = k p + r its chunk k (torch's loop order)."""
+    p, v = plan.stages, plan.virtual
+    chunks = [[n // v + (k < n % v) for k in range(v)] for n in plan.layers]
+    return [chunks[j % p][j // p] for j in range(p * v)]
+
+
+def _cut(model: nn.Module, counts: list[int], example_inputs) -> tuple:
+    """The model's forward cut into len(counts) programs of ``counts`` repeated layers each
+    (torch.distributed.pipelining), and the split graph that wires them."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    parent, attr, stack = repeated_module(model)
+    prefix = next(name for name, m in model.named_modules() if m is parent)
+    names = list(stack._modules)
+    if sum(counts) != len(names):
+        raise ConstraintError(f"the pipeline plan places {sum(counts)} layers; the model has {len(names)}")
+    starts = [sum(counts[:j]) for j in range(1, len(counts))]
+    spec = {".".join(x for x in (prefix, attr, names[i]) if x): SplitPoint.BEGINNING for i in starts}
+    try:
+        pipe = pipeline(model, mb_args=tuple(example_inputs), split_spec=spec)
+    except Exception as exc:  # noqa: BLE001 - re-raised typed
+        raise TraceError(f"torch.distributed.pipelining could not cut {type(model).__name__} into "
+                         f"{len(counts)} stages at {sorted(spec)}: {type(exc).__name__}: {exc}") from exc
+    if pipe.num_stages != len(counts):
+        raise TraceError(f"torch.distributed.pipelining cut {type(model).__name__} into {pipe.num_stages} "
+                         f"stages, not {len(counts)}: its forward must call the layers in order")
+    for j in range(pipe.num_stages):
+        # the export's checks of dtype casts: they compute nothing, and would be traced as ops
+        for part in pipe.get_stage_module(j).modules():   # the layers' graphs (unflattened), too
+            for gm in (part, getattr(part, "graph_module", None)):
+                if isinstance(getattr(gm, "graph", None), fx.Graph):
+                    for node in gm.graph.find_nodes(op="call_function",
+                                                    target=torch.ops.aten._assert_tensor_metadata.default):
+                        gm.graph.erase_node(node)
+                    if isinstance(gm, fx.GraphModule):
+                        gm.recompile()
+    return pipe
+
+
+def _wiring(split_gm: fx.GraphModule, n: int) -> list[list[tuple[str, object]]]:
+    """Per stage program, where each of its inputs comes from: ("root", k), the model's k-th
+    input, or ("value", (i, k)), the k-th output of program i (an earlier one)."""
+    roots = {node: k for k, node in enumerate(split_gm.graph.find_nodes(op="placeholder"))}
+    calls = [node for node in split_gm.graph.nodes if node.op == "call_module"][:n]
+    made = {call: (i, 0) for i, call in enumerate(calls)}
+    for node in split_gm.graph.nodes:
+        if node.op == "call_function" and node.args and node.args[0] in made:
+            made[node] = (made[node.args[0]][0], node.args[1])
+    wiring = []
+    for j, call in enumerate(calls):
+        if call.kwargs:
+            raise TraceError(f"stage {j} takes keyword arguments ({sorted(call.kwargs)}); pass inputs positionally")
+        sources = []
+        for arg in call.args:
+            if arg in roots:
+                sources.append(("root", roots[arg]))
+            elif arg in made and arg not in calls[j:]:
+                sources.append(("value", made[arg]))
+            else:
+                raise TraceError(f"stage {j} reads {arg}, which no earlier stage makes")
+        wiring.append(sources)
+    return wiring
+
+
+class _Route:
+    """What travels between stage programs: each program's own outputs, then the values a later
+    program reads from an earlier one, passed on through every program between (torch's
+    schedules send from each stage to the next only)."""
+
+    def __init__(self, wiring, own: list[int]):
+        self.own = own
+        self.passes: list[list[tuple[int, int]]] = [[] for _ in wiring]
+        for j, sources in enumerate(wiring):
+            for kind, value in sources:
+                if kind == "value":
+                    for between in range(value[0] + 1, j):
+                        if value not in self.passes[between]:
+                            self.passes[between].append(value)
+        self.wiring = wiring
+
+    def position(self, value: tuple[int, int], stage: int) -> int:
+        """Where ``value`` is among ``stage``'s outputs."""
+        i, k = value
+        return k if i == stage else self.own[stage] + self.passes[stage].index(value)
+
+    def inputs(self, j: int) -> list[tuple[str, int]]:
+        """Program j's inputs: ("root", k) or ("recv", position among what program j - 1 sends)."""
+        return [(kind, k) if kind == "root" else ("recv", self.position(k, j - 1)) for kind, k in self.wiring[j]]
+
+    def passed(self, j: int) -> list[int]:
+        """Positions, among what program j receives, of what it passes on."""
+        return [self.position(value, j - 1) for value in self.passes[j]]
+
+
+class _Stage(nn.Module):
+    """One stage program as torch's PipelineStage calls it: the received tensors (or, first, the
+    model inputs it reads) in, its outputs in full, then what it passes on, out. The model inputs
+    a later stage reads come from the micro-batch it is on (``feed``); forwards on a stage run in
+    micro-batch order under every schedule here."""
+
+    def __init__(self, body: DistributedModule, sources: list[tuple[str, int]], passed: list[int], first: bool):
+        super().__init__()
+        self.body = body
+        self.sources = sources
+        self.passed = passed
+        self.first = first
+        self.__dict__["feed"] = []   # per micro-batch: the model's inputs (set by PipelineModule.step)
+        self.calls = 0
+
+    def forward(self, *received):
+        chunk = self.__dict__["feed"][self.calls]
+        self.calls += 1
+        if self.first:   # the schedule hands stage 0 the model inputs it reads, in order
+            args = list(received)
+        else:
+            args = [chunk[k] if kind == "root" else received[k] for kind, k in self.sources]
+        out = self.body(*self.body.shard_inputs(*args))
+        # torch's schedule concatenates the last stage's outputs over micro-batches: a loss of one element
+        out = (out.reshape(1) if out.dim() == 0 else out,) if isinstance(out, torch.Tensor) else tuple(out)
+        # passed on as copies: torch's stage may reuse its receive buffers for the next micro-batch
+        out = out + tuple(received[k].clone() for k in self.passed)
+        return out[0] if len(out) == 1 else out
+
+
+class PipelineModule(nn.Module):
+    """This rank's stage programs of a pipeline plan (module docstring). Parameters are DTensors on
+    the stage's sub-mesh under the model's names; ``step(*global_inputs)`` runs one step of the
+    schedule and returns the mean loss; an optimizer steps ``parameters()`` as usual."""
+
+    def __init__(self, plan: PipelinePlan, stages: list[_Stage], schedule, pp_group, persistent: set[str],
+                 stage_plans: dict[int, Plan], stage_roots: list[int]):
+        super().__init__()
+        self.plan = plan
+        self.stage_plans = stage_plans
+        self.__dict__["_stages"] = stages
+        self.__dict__["_schedule"] = schedule
+        self.__dict__["_pp_group"] = pp_group
+        self._roots = stage_roots   # the model inputs stage 0 reads, in its order
+        for stage in stages:
+            for name, p in stage.body.named_parameters():
+                _register(self, name, p, "param")
+            for name, b in stage.body.named_buffers():   # the model's own state dict says which it keeps
+                _register(self, name, b, "buffer", persistent=name in persistent)
+
+    def step(self, *global_inputs: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the global batch as the plan's micro-batches under its schedule;
+        gradients land in ``.grad`` (the mean over micro-batches, as one batch's). Returns the mean
+        loss, on every rank."""
+        m = self.plan.micro_batches
+        if batch_size(global_inputs) % m:
+            micro_batch(global_inputs, m)   # raises, naming the counts that divide it
+        chunks = [tuple(x.tensor_split(m)[i] if isinstance(x, torch.Tensor) else x for x in global_inputs)
+                  for i in range(m)]
+        for stage in self.__dict__["_stages"]:
+            stage.__dict__["feed"] = chunks
+            stage.calls = 0
+        losses: list[torch.Tensor] = []
+        first = tuple(global_inputs[k] for k in self._roots)
+        self.__dict__["_schedule"].step(*first, target=torch.zeros(m), losses=losses)
+        group = self.__dict__["_pp_group"]
+        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+        dist.broadcast(loss, group=group, group_src=dist.get_world_size(group) - 1)
+        return loss
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeMismatchError("a pipeline module runs whole steps: call module.step(*global_inputs), "
+                                   "which returns the loss and leaves the gradients in .grad")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for stage in self.__dict__["_stages"]:
+            stage.body.zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every stage's gradients: the global norm (over
+        the pipeline too), every shard scaled alike."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        local = [(g.full_tensor() if isinstance(g, DTensor) else g).float() for g in grads]
+        total = torch.stack([g.norm(norm_type) ** norm_type for g in local]).sum() if local else torch.zeros(())
+        # every rank of a stage's sub-mesh holds the same full norms: summed over the pipeline only
+        dist.all_reduce(total, group=self.__dict__["_pp_group"])
+        norm = total ** (1.0 / norm_type)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale)
+        return norm
+
+    # this rank's state is its stages' entries: a checkpoint of the whole model holds more
+    # (autoshard.runtime.checkpoint.load reads only these)
+    partial_state = True
+
+    def expected_state(self, optional=None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """This rank's state-dict keys with their global shapes and dtypes."""
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.state_dict().items()}
+
+
+def _mesh(cluster: Cluster, p: int, device_type: str):
+    """The whole group's mesh as (pp, N/p, inner...), and its pp dim's name."""
+    pp = next(n for n in ("pp", "pp_stage", "pipeline") if n not in cluster.mesh_dim_names)
+    shape = (p, cluster.mesh_shape[0] // p, *cluster.mesh_shape[1:])
+    names = (pp, *cluster.mesh_dim_names)
+    options = _torch.default_group_options(device_type)
+    override = None if options is None else dict.fromkeys(range(len(shape)), options)
+    mesh = torch.distributed.device_mesh.init_device_mesh(device_type, shape, mesh_dim_names=names,
+                                                          backend_override=override)
+    return mesh, pp
+
+
+def _fake_outputs(program: nn.Module, args, device):
+    """The program's outputs as fake tensors (shapes and dtypes; nothing real runs)."""
+    from autoshard.passes.trace import _fake_like, _fake_parameters
+
+    mode = _torch.FakeTensorMode(allow_non_fake_inputs=False)
+    fakes = tuple(_fake_like(mode, a, device) if isinstance(a, torch.Tensor) else a for a in args)
+    with _fake_parameters(program, mode, device), mode, torch.no_grad():
+        out = program(*fakes)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _examples(pipe, wiring, mb: tuple, device) -> tuple[list[list], dict]:
+    """Each stage program's example inputs: the micro-batch's model inputs and, for values of
+    earlier programs, zeros of their shapes (floating ones requiring grad); and every program's
+    outputs as fake tensors, by (program, index)."""
+    examples, values = [], {}
+    for j, sources in enumerate(wiring):
+        args = []
+        for kind, k in sources:
+            if kind == "root":
+                args.append(mb[k])
+            else:
+                t = values[k]
+                args.append(torch.zeros(t.shape, dtype=t.dtype, device=device).requires_grad_(t.is_floating_point()))
+        examples.append(args)
+        for k, out in enumerate(_fake_outputs(pipe.get_stage_module(j), args, device)):
+            values[(j, k)] = out
+    return examples, values
+
+
+def _meta(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    """What torch's stage is told of a tensor it sends or receives: its shape, dtype, and whether a
+    gradient comes back for it (every floating one between stages)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(grad and t.is_floating_point())
+
+
+def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: PipelinePlan, device: torch.device,
+                   *, time_limit: float = 120.0, strict: bool = False) -> PipelineModule:
+    """This rank's :class:`PipelineModule` running ``plan`` (from
+    :func:`~autoshard.planning.pipeline.plan_pipeline`) on ``cluster``; every rank calls it."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from autoshard.build import build
+    from autoshard.planning.driver import prepare, solve
+    from autoshard.planning.pricing import price
+    from autoshard.planning.roles import allow_for
+
+    p, v, m = plan.stages, plan.virtual, plan.micro_batches
+    layout = (p, v, m, plan.schedule, list(plan.layers))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, layout)
+    if any(other != layout for other in every):
+        raise RuntimeMismatchError(f"the ranks were given different pipeline plans (stages, virtual, micro-batches, "
+                                   f"schedule, layers): {sorted(set(map(str, every)))}; plan once (on one rank) "
+                                   "and give every rank that plan")
+    stage, roles = stage_cluster(cluster, p, plan.roles)
+    if tuple(stage.mesh_shape) != tuple(plan.stage_mesh):
+        raise RuntimeMismatchError(f"the pipeline plan's stage mesh is {tuple(plan.stage_mesh)}; this cluster's "
+                                   f"{p} stages have {tuple(stage.mesh_shape)}: plan it for this cluster")
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    mb = micro_batch(inputs, m)
+    counts = stage_layers(plan)
+    pipe = _cut(model, counts, mb)
+    wiring = _wiring(pipe.split_gm, len(counts))
+    examples, values = _examples(pipe, wiring, mb, device)
+    route = _Route(wiring, [sum(1 for i, _ in values if i == j) for j in range(len(counts))])
+    mesh, pp = _mesh(cluster, p, device.type)
+    coordinate = mesh.get_coordinate()[0]
+    mine = [j for j in range(p * v) if j % p == coordinate]
+
+    def hold(j):
+        return held(plan.schedule, p, m, j % p, v)
+
+    def stage_plan(j):
+        traced, fallbacks, gaps = prepare(pipe.get_stage_module(j), stage, examples[j], strict, device=device)
+        allow = allow_for(traced, roles) if roles is not None else None
+        problem, solution, limit = solve(traced, stage, None, plan.memory_limit, True, time_limit, allow=allow,
+                                         grad_accumulation=m, held_batches=hold(j), held_head=hold(j))
+        return traced, price(traced, stage, problem, solution, fallbacks, gaps, limit)
+
+    # rank 0 plans every stage program and every rank runs its plans: ranks never disagree on a tie
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [[stage_plan(j)[1].to_json() for j in range(p * v)]]
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
+            box = [exc]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    plans = {j: Plan.from_json(text) for j, text in enumerate(box[0])}
+
+    sub = mesh[tuple(stage.mesh_dim_names)]
+    stages, pipeline_stages = [], []
+    for j in mine:
+        program = pipe.get_stage_module(j)
+        traced, _, _ = prepare(program, stage, examples[j], strict, device=device)
+        plans[j].check_matches(traced.fingerprint, stage.to_json(), plans[j].backend)
+        body = build(program, traced, plans[j], stage, device, None, m, mesh=sub)
+        wrapped = _Stage(body, route.inputs(j), route.passed(j), first=j == 0)
+        stages.append(wrapped)
+        sent = [values[(j, k)] for k in range(route.own[j])] + [values[v] for v in route.passes[j]]
+        outs = [o.reshape(1) if o.dim() == 0 else o for o in sent]
+        received = examples[0] if j == 0 else [values[(j - 1, k)] for k in range(route.own[j - 1])] + \
+            [values[v] for v in route.passes[j - 1]]
+        pipeline_stages.append(PipelineStage(
+            wrapped, j, p * v, device,
+            input_args=tuple(_meta(a, j > 0) for a in received), output_args=tuple(_meta(o, True) for o in outs),
+            group=mesh.get_group(pp)))
+
+    def loss_fn(output, target):   # the last program's output is the model's loss already
+        return output.sum()
+
+    if plan.schedule == "interleaved":
+        schedule = ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=loss_fn)
+    else:
+        kind = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
+        schedule = kind(pipeline_stages[0], m, loss_fn=loss_fn)
+    persistent = set(model.state_dict())
+    return PipelineModule(plan, stages, schedule, mesh.get_group(pp), persistent,
+                          {j: plans[j] for j in mine}, [k for _, k in wiring[0]])
