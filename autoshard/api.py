@@ -28,9 +28,15 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
          strict: bool = False, time_limit: float = 120.0, progress: bool | None = None,
          allow=None, mixed_precision: MixedPrecision | None = None, grad_accumulation: int = 1,
          meshes=None, followers: bool = True, cutoff: float | None = None, backend: str = "eager",
-         moe_imbalance: float = 1.0, moe_capacity: float | None = None) -> Plan:
+         moe_imbalance: float = 1.0, moe_capacity: float | None = None, stages=None):
     """Plan ``model`` (an nn.Module, on any device including ``meta``, or a traced model from
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
+
+    ``stages``: also try pipeline stages over the outer mesh dim ("auto": every stage count of
+    :func:`autoshard.planning.pipeline.plan_pipeline`; an int or a list: those) and return the
+    faster of the plan without stages and the best :class:`~autoshard.planning.pipeline.PipelinePlan`
+    (``compile(plan=...)`` runs either); the loser's step time is in ``stats["other_step_time"]``,
+    and why a side has no plan in ``stats["other_error"]``. Default: no stages.
 
     ``meshes="auto"`` also plans on the logical meshes of :func:`autoshard.planning.meshes.candidates`
     (other grids over the same devices, priced by the links each dim spans) and keeps the fastest;
@@ -67,6 +73,12 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     ``backend``: what will run the program, "eager" (op by op) or "inductor" (compiled, elementwise
     chains fused), which prices each op (the plan records it and runs only under it)."""
     check_backend(backend)
+    if stages is not None:
+        return _with_stages(model, cluster, example_inputs, stages, dict(
+            constraints=constraints, memory_limit=memory_limit, recompute=recompute, share_layers=share_layers,
+            strict=strict, time_limit=time_limit, progress=progress, allow=allow, mixed_precision=mixed_precision,
+            grad_accumulation=grad_accumulation, meshes=meshes, followers=followers, cutoff=cutoff, backend=backend,
+            moe_imbalance=moe_imbalance, moe_capacity=moe_capacity))
     if meshes is not None:
         from autoshard.planning import meshes as logical
 
@@ -94,6 +106,40 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
                     "plan_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0,
                     "shared_nodes": solution.shared_nodes}
     return result
+
+
+def _with_stages(model, cluster: Cluster, example_inputs, stages, options: dict):
+    """The faster of the plan without stages and the best pipeline plan (:func:`plan`'s ``stages``)."""
+    from autoshard.errors import CutoffError, InfeasibleError, SolverError
+    from autoshard.planning.pipeline import plan_pipeline
+
+    if isinstance(model, TracedModel):
+        raise ConstraintError("pipeline stages cut the model's layers: pass the nn.Module, not a traced model")
+    pinned = {k: v for k, v in options.items() if k in ("constraints", "allow", "mixed_precision", "meshes", "cutoff")
+              and v is not None} | ({"grad_accumulation": options["grad_accumulation"]}
+                                    if options["grad_accumulation"] != 1 else {}) \
+        | ({"backend": options["backend"]} if options["backend"] != "eager" else {})
+    if pinned:
+        raise ConstraintError(f"pipeline candidates take no {', '.join(sorted(pinned))}: plan with stages=None "
+                              "for those, or drop them")
+    results, errors = [], {}
+    try:
+        results.append(plan(model, cluster, example_inputs, **options))
+    except (InfeasibleError, SolverError, CutoffError) as exc:
+        errors["flat"] = exc
+    try:
+        results.append(plan_pipeline(model, cluster, example_inputs, stages=None if stages == "auto" else stages,
+                                     memory_limit=options["memory_limit"], recompute=options["recompute"],
+                                     time_limit=options["time_limit"], strict=options["strict"]))
+    except (InfeasibleError, SolverError) as exc:
+        errors["pipeline"] = exc
+    if not results:
+        raise errors["flat"]
+    best = min(results, key=lambda r: r.step_time)
+    other = [r for r in results if r is not best]
+    best.stats["other_step_time"] = other[0].step_time if other else None
+    best.stats["other_error"] = {side: f"{type(e).__name__}: {e}" for side, e in errors.items()}
+    return best
 
 
 def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: dict | None = None,

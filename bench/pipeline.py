@@ -5,7 +5,8 @@ FSDP x TP x PP 8 (``fsdp_tp_pp``, with and without full recompute), the free pla
 stages on the cluster's mesh, and the FSDP and TP x FSDP baselines without stages (each with
 and without full recompute), with every planning time. Predicted figures (the cost model's), bf16, all on meta tensors. Writes bench/out/pipeline.json.
 
-    .venv/bin/python bench/pipeline.py [--cases 70b-h100x16 70b-perlmutter64 405b-h100x64] [--seq 4096]
+    .venv/bin/python bench/pipeline.py [--cases 70b-h100x16 70b-perlmutter64 405b-h100x64 1b-h100x4-10gbe]
+                                       [--seq 4096] [--stages 2 4 8 16] [--time-limit 60]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 import autoshard
 from autoshard.errors import InfeasibleError, SolverError
+from autoshard.cluster.presets import ETHERNET_10G, PRESETS
 from autoshard.planning.baselines import plan_baseline
 from autoshard.planning.pipeline import PipelinePlan, plan_pipeline
 from autoshard.zoo import Llama, LlamaConfig
@@ -28,11 +30,23 @@ CASES = {  # name: (model, preset, nodes, global batch)
     "70b-h100x16": ("70b", "dgx-h100", 16, 128),
     "70b-perlmutter64": ("70b", "perlmutter", 64, 256),
     "405b-h100x64": ("405b", "dgx-h100", 64, 512),
+    # a small model on nodes joined by 10 Gb Ethernet: what stages are for
+    "1b-h100x4-10gbe": ("1b", "dgx-h100-10gbe", 4, 8),
 }
 
 
+def cluster_of(preset: str, nodes: int) -> autoshard.Cluster:
+    if not preset.endswith("-10gbe"):
+        return autoshard.Cluster.preset(preset, nodes=nodes)
+    p = PRESETS[preset.removesuffix("-10gbe")]
+    return autoshard.Cluster((nodes, p.gpus_per_node), ("node", "gpu"), p.device, [ETHERNET_10G, p.intra],
+                             ranks_per_node=p.gpus_per_node)
+
+
 def model_of(size: str, seq: int):
-    if size == "70b":
+    if size == "1b":   # 8 layers of hidden 2048
+        cfg = LlamaConfig(vocab=32000, seq=seq, hidden=2048, heads=16, kv_heads=8, intermediate=5632, layers=8)
+    elif size == "70b":
         cfg = LlamaConfig.llama3_70b(seq)
     else:   # the Llama-3.1-405B shape
         cfg = LlamaConfig(**{**LlamaConfig.llama3_70b(seq).__dict__, "hidden": 16384, "heads": 128, "kv_heads": 8,
@@ -60,7 +74,7 @@ def run(case: str, seq: int, time_limit: float, stages) -> list[dict]:
     size, preset, nodes, batch = CASES[case]
     model = model_of(size, seq)
     inputs = tuple(torch.empty(batch, seq, dtype=torch.long, device="meta") for _ in range(2))
-    cluster = autoshard.Cluster.preset(preset, nodes=nodes)
+    cluster = cluster_of(preset, nodes)
     rows = []
     jobs = [(f"pipeline, {p} stages", lambda p=p: plan_pipeline(model, cluster, inputs, stages=p, time_limit=time_limit))
             for p in stages if nodes % p == 0 and p <= len(model.blocks)]

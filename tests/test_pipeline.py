@@ -272,3 +272,20 @@ def test_checkpoints_move_between_pipeline_and_flat_plans(pipeline_runs):
         assert r["pp_to_flat"] == 0.0 and r["flat_to_pp"] == 0.0, (rank, r)
         assert r["flat_near_reference"] < 1e-5, (rank, r)   # every stage's entries, not one
         assert r["before_load"] > 1e-3, (rank, r)   # the new pipeline did start elsewhere
+
+
+def test_plan_with_stages_returns_the_faster_of_both():
+    """``plan(stages=...)``: whichever of the plan without stages and the best pipeline plan is
+    predicted faster, each as planned on its own, the other's step recorded."""
+    model, inputs = _tiny_llama(4)
+    cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
+    flat = autoshard.plan(model, cluster, inputs, time_limit=60)
+    pp = pipeline.plan_pipeline(model, cluster, inputs, stages=2, time_limit=60)
+    best = autoshard.plan(model, cluster, inputs, stages=2, time_limit=60)
+    winner, loser = sorted([flat, pp], key=lambda p: p.step_time)
+    assert type(best) is type(winner) and best.step_time == pytest.approx(winner.step_time)
+    assert best.stats["other_step_time"] == pytest.approx(loser.step_time)
+    with pytest.raises(ConstraintError, match="nn.Module, not a traced model"):
+        autoshard.plan(autoshard.trace(model, inputs), cluster, stages=2)
+    with pytest.raises(ConstraintError, match="take no grad_accumulation"):
+        autoshard.plan(model, cluster, inputs, stages=2, grad_accumulation=2)
