@@ -127,3 +127,55 @@ def test_stuck_rank_times_out_after_pg_timeout_and_all_processes_are_reaped(tmp_
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert PG_TIMEOUT - 1 <= report["after_s"] < PG_TIMEOUT + 15, report
     _assert_reaped()
+
+
+def _pipeline_plan() -> str:
+    """A 1F1B pipeline of 2 stages x 2 ranks over a tiny Llama, planned by the caller."""
+    from autoshard.planning.pipeline import plan_pipeline
+    from autoshard.zoo import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(layers=4))
+    return plan_pipeline(model, autoshard.Cluster.local(4, (2, 2)), model.example_inputs(8), stages=2,
+                         micro_batches=4, schedules="1f1b").to_json()
+
+
+def killed_stage_job(tmp: str, plan: str) -> None:
+    """Step 1 on every rank; then the last stage's rank 3 is SIGKILLed while the others start step 2."""
+    from autoshard.planning.pipeline import PipelinePlan
+    from autoshard.zoo import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(layers=4))
+    batch = model.example_inputs(8)
+    pm = autoshard.compile(model, autoshard.Cluster.local(4, (2, 2)), batch, plan=PipelinePlan.from_json(plan))
+    pm.step(*batch)
+    dist.barrier()
+    if dist.get_rank() == 3:
+        _sigkill_self()
+    t0 = time.monotonic()
+    try:
+        for _ in range(100):
+            pm.step(*batch)
+    except BaseException as exc:
+        with open(os.path.join(tmp, f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"type": type(exc).__name__, "after_s": time.monotonic() - t0}, f)
+        raise
+    raise AssertionError("the pipeline kept stepping without its last stage's rank 3")
+
+
+@pytest.mark.world(4)
+def test_a_rank_killed_mid_schedule_fails_the_pipeline_and_all_processes_are_reaped(tmp_path):
+    """Rank 3 (the last stage) dies; its stage peer's next collective and its sender's next
+    send fail at once, the others' receives follow: DistributedRunError, every child reaped."""
+    plan = _pipeline_plan()
+    with pytest.raises(DistributedRunError) as info:
+        run_local(killed_stage_job, 4, str(tmp_path), plan, timeout=240, pg_timeout=120)
+    err = info.value
+    assert 3 in err.errors or 3 in err.missing, str(err)
+    if 3 in err.errors:
+        assert "died" in str(err) and "code -9" in str(err), str(err)
+    # the ranks that raised did so on their own, well before the process group's timeout
+    reports = [json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")]
+    assert reports and all(r["after_s"] < 100 for r in reports), reports
+    _assert_reaped()
