@@ -115,10 +115,9 @@ def _with_stages(model, cluster: Cluster, example_inputs, stages, options: dict)
 
     if isinstance(model, TracedModel):
         raise ConstraintError("pipeline stages cut the model's layers: pass the nn.Module, not a traced model")
-    pinned = {k: v for k, v in options.items() if k in ("constraints", "allow", "mixed_precision", "meshes", "cutoff")
-              and v is not None} | ({"grad_accumulation": options["grad_accumulation"]}
-                                    if options["grad_accumulation"] != 1 else {}) \
-        | ({"backend": options["backend"]} if options["backend"] != "eager" else {})
+    defaults = dict(constraints=None, allow=None, mixed_precision=None, meshes=None, cutoff=None, moe_capacity=None,
+                    grad_accumulation=1, backend="eager", moe_imbalance=1.0)
+    pinned = {k for k, v in defaults.items() if options[k] != v}
     if pinned:
         raise ConstraintError(f"pipeline candidates take no {', '.join(sorted(pinned))}: plan with stages=None "
                               "for those, or drop them")
@@ -131,9 +130,10 @@ def _with_stages(model, cluster: Cluster, example_inputs, stages, options: dict)
         results.append(plan_pipeline(model, cluster, example_inputs, stages=None if stages == "auto" else stages,
                                      memory_limit=options["memory_limit"], recompute=options["recompute"],
                                      time_limit=options["time_limit"], strict=options["strict"]))
-    except (InfeasibleError, SolverError) as exc:
+    except (InfeasibleError, SolverError, ConstraintError) as exc:   # no layers to cut, too: the flat plan stands
         errors["pipeline"] = exc
     if not results:
+        errors["flat"].add_note(f"with stages: {type(errors['pipeline']).__name__}: {errors['pipeline']}")
         raise errors["flat"]
     best = min(results, key=lambda r: r.step_time)
     other = [r for r in results if r is not best]
@@ -197,14 +197,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     check_backend(backend)
     if plan is not None:
         plan.check_backend(backend)   # before the trace: the mismatch is known already
-    # the program is traced for the device it runs on: NCCL's ranks compute on GPUs, gloo's on
-    # CPUs, a fake group's (simulated ranks, autoshard/runtime/simulate.py) on the model's device
-    group_backend = dist.get_backend()
-    if group_backend == "fake":
-        device_type = next((p.device.type for p in model.parameters()), "cpu")
-    else:
-        device_type = "cuda" if group_backend == "nccl" else "cpu"
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    device = _device(model)   # the program is traced for the device it runs on
     traced, fallbacks, gaps = prepare(model, cluster, example_inputs, strict, mixed_precision, device=device,
                                       moe_imbalance=moe_imbalance, moe_capacity=moe_capacity)
     if plan is None:
@@ -226,11 +219,15 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs, *, constraints: 
     return build(model, traced, plan, cluster, device, mixed_precision, grad_accumulation)
 
 
-def _device() -> torch.device:
-    """Where this rank computes: NCCL's ranks on GPUs, gloo's on CPUs."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _device(model: nn.Module) -> torch.device:
+    """Where this rank computes, what its program is traced for: NCCL's ranks on GPUs, gloo's on
+    CPUs, a fake group's (simulated ranks, autoshard/runtime/simulate.py) on the model's device."""
+    group_backend = dist.get_backend()
+    if group_backend == "fake":
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+    else:
+        device_type = "cuda" if group_backend == "nccl" else "cpu"
+    return torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
 
 
 def _compile_pipeline(model, cluster, example_inputs, plan, mixed_precision, grad_accumulation, backend,
@@ -241,4 +238,4 @@ def _compile_pipeline(model, cluster, example_inputs, plan, mixed_precision, gra
         raise ConstraintError("a pipeline plan runs in the model's dtype, eagerly, its micro-batches accumulated "
                               "by its schedule: drop mixed_precision, grad_accumulation and backend, or plan "
                               "without stages")
-    return build_pipeline(model, cluster, example_inputs, plan, _device(), time_limit=time_limit, strict=strict)
+    return build_pipeline(model, cluster, example_inputs, plan, _device(model), time_limit=time_limit, strict=strict)

@@ -179,14 +179,15 @@ def _hint(where: str) -> str:
             "experts or cache implementation), or report it.")
 
 
-def trace(model: nn.Module, example_inputs: tuple, device=None) -> TracedModel:
+def trace(model: nn.Module, example_inputs: tuple, device=None, input_grads: bool = False) -> TracedModel:
     """Trace ``model(*example_inputs)`` (which must return a scalar loss, or tensors) jointly, on
-    fake tensors on ``device`` (:func:`trace_device`)."""
+    fake tensors on ``device`` (:func:`trace_device`). ``input_grads``: the floating inputs that
+    require grad get their gradients too (a pipeline stage's received activations)."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     device = trace_device(model, example_inputs, device)
     fake_mode = _torch.FakeTensorMode(allow_non_fake_inputs=False)
-    args = tuple(_fake_like(fake_mode, a, device).requires_grad_(a.requires_grad and a.is_floating_point())
+    args = tuple(_fake_like(fake_mode, a, device).requires_grad_(input_grads and a.requires_grad and a.is_floating_point())
                  if isinstance(a, torch.Tensor) else a for a in example_inputs)
     was_training = model.training
     try:

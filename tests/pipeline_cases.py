@@ -76,9 +76,15 @@ def run_case(schedule: str, roles, checkpoint_dir: str | None, kind: str = "llam
                is_dtensor=all(isinstance(p, DTensor) for p in pm.parameters()),
                stage_programs=sorted(pm.stage_plans), schedule=type(pm.__dict__["_schedule"]).__name__)
     # a second step from the same batch: the accumulation counters restart every step
+    reference.zero_grad()
+    reference(*batch).backward()
     opt.zero_grad()
     pm.step(*batch)
-    out["second_grad_finite"] = all(torch.isfinite(_full(p.grad)).all().item() for p in pm.parameters())
+    out["grad2"] = _gap(pm, {n: p.grad for n, p in reference.named_parameters()}, grads=True)
+    try:   # every rank refuses a batch of another shape: none waits on a stage that raised
+        pm.step(*(x[:4] for x in batch))
+    except autoshard.errors.RuntimeMismatchError as exc:
+        out["wrong_batch"] = str(exc)
     if checkpoint_dir is None:
         return out
 

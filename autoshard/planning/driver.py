@@ -29,15 +29,16 @@ OPTIMIZER_STATE_PER_PARAM_BYTE = 2.0  # Adam/AdamW: two moments in the parameter
 
 
 def trace(model: nn.Module, example_inputs, *, mixed_precision: MixedPrecision | None = None,
-          device=None) -> TracedModel:
+          device=None, input_grads: bool = False) -> TracedModel:
     """Trace once (joint fwd+bwd graph on fake tensors), then plan for many clusters.
     ``mixed_precision`` puts the policy's casts into the traced program (autoshard/precision.py).
     ``device``: where the program will run (default: where the model is, the CPU for ``meta``);
-    some ops are a device's own (attention), so a plan runs on the device it was traced for."""
+    some ops are a device's own (attention), so a plan runs on the device it was traced for.
+    ``input_grads``: inputs that require grad get gradients (passes/trace.py)."""
     start = time.perf_counter()
     traced = _trace(cast_module(model, mixed_precision),
                     tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,),
-                    device=device)
+                    device=device, input_grads=input_grads)
     annotate(traced.gm)
     traced.mixed_precision = mixed_precision
     if mixed_precision is not None:  # the reduce dtype is not in the graph: a plan for one policy runs no other

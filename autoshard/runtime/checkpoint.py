@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.tensor import DTensor
 
 from autoshard.errors import RuntimeMismatchError
-from autoshard.runtime.module import DistributedModule, check_against
+from autoshard.runtime.module import DistributedModule, check_against, non_persistent
 
 __all__ = ["full_state_dict", "load", "load_full_state_dict", "load_state_dict", "save", "state_dict"]
 
@@ -73,10 +73,15 @@ def load(path: str | os.PathLike, module: DistributedModule, optimizer: torch.op
     saved = _saved_shapes(path)
     source = f"checkpoint {os.fspath(path)!r}"
     nested = any(k.startswith("model.") for k in saved)  # save()'s layout, else a bare state_dict()
-    found = _section(saved, "model." if nested else "")
+    skip = non_persistent(module)   # saved before the module left them out: not loaded
+    found = {k: v for k, v in _section(saved, "model." if nested else "").items() if k not in skip}
     expected = module.expected_state(optional=found)
-    if getattr(module, "partial_state", False):   # a pipeline rank holds its stages' entries only
-        found = {k: v for k, v in found.items() if k in expected}
+    if getattr(module, "partial_state", False):
+        # a pipeline rank holds its stages' entries: it reads those, and what no rank holds is unexpected
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(expected))
+        held_somewhere = set().union(*map(set, every))
+        found = {k: v for k, v in found.items() if k in expected or k not in held_somewhere}
     check_against(expected, found, source=source)
     if not nested:
         if optimizer is not None:
@@ -133,10 +138,17 @@ def _section(saved: dict, prefix: str) -> dict:
 
 # --- single-device interop ------------------------------------------------------------------------
 @torch.no_grad()
+def _whole(module, what: str) -> None:
+    if getattr(module, "partial_state", False):
+        raise RuntimeMismatchError(f"{what} needs every parameter on every rank's module; a pipeline rank holds its "
+                                   "stages' only: save and load it with autoshard.runtime.checkpoint.save and load (DCP)")
+
+
 def full_state_dict(module: DistributedModule, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The module's full state as plain CPU tensors under the model's names (tied weights stay
     one tensor): on rank 0 only (``{}`` elsewhere) unless ``rank0_only=False``. Every rank must
     call it (it gathers the shards)."""
+    _whole(module, "full_state_dict")
     keep = not rank0_only or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     seen: dict[int, torch.Tensor] = {}
@@ -173,6 +185,7 @@ def load_full_state_dict(module: DistributedModule, sd: dict | None, *, strict: 
     rank keeps its shard of each tensor in the parameter's placement. Every rank passes the same
     ``sd``, or with ``from_rank0=True`` only rank 0 does (others pass ``None`` or ``{}``) and it
     is broadcast one tensor at a time. Names and shapes are checked first, on every rank alike."""
+    _whole(module, "load_full_state_dict")
     if not from_rank0:
         module.load_state_dict(_drop_tied(module, sd), strict=strict)
         return

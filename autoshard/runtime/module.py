@@ -376,14 +376,22 @@ class DistributedModule(nn.Module):
     def check_state_dict(self, state_dict, *, strict: bool = True, source: str = "the state dict") -> None:
         """Raise RuntimeMismatchError naming every global shape that differs from this module's
         and, with ``strict``, every key missing from ``state_dict`` or in it but not here."""
-        found = {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+        found = {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)
+                 and k not in self.non_persistent()}
         check_against(self.expected_state(optional=found), found, strict=strict, source=source)
+
+    def non_persistent(self) -> set[str]:
+        """Buffers the model keeps out of its state dict (rotary frequencies): a state dict or
+        checkpoint that has them anyway (saved before they were left out) loads, and they stay."""
+        return non_persistent(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load DTensors in any placement (redistributed to this plan's storage) or plain full
         tensors (every rank passes the same; each keeps its shard, no communication). On one
         device (plain parameters) a DTensor value is loaded in full."""
         self.check_state_dict(state_dict, strict=strict)
+        skip = self.non_persistent()
+        state_dict = {k: v for k, v in state_dict.items() if k not in skip}
         own = self.state_dict()
         converted = {}
         for key in own:  # module order, so every rank runs the same redistributions
@@ -397,6 +405,11 @@ class DistributedModule(nn.Module):
         super().load_state_dict(converted, strict=False, assign=assign)
         missing = [k for k in own if k not in state_dict and k not in self._aliases]
         return _IncompatibleKeys(missing, [k for k in state_dict if k not in own])
+
+
+def non_persistent(module: nn.Module) -> set[str]:
+    """The names of ``module``'s buffers that its state dict leaves out."""
+    return {name for name, _ in module.named_buffers()} - set(module.state_dict())
 
 
 def _to_placements(value: torch.Tensor, mesh, placements) -> DTensor:

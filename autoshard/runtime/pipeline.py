@@ -25,6 +25,8 @@ torch.distributed.checkpoint saves a pipeline and loads it into any other plan, 
 from __future__ import annotations
 
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -34,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from autoshard import _torch
 from autoshard.cluster import Cluster
 from autoshard.errors import ConstraintError, RuntimeMismatchError, TraceError
-from autoshard.planning.pipeline import PipelinePlan, batch_size, held, micro_batch, repeated_module, stage_cluster
+from autoshard.planning.pipeline import PipelinePlan, held, micro_batch, repeated_module, stage_cluster
 from autoshard.planning.plan import Plan
 from autoshard.runtime.module import DistributedModule, _register
 
@@ -67,6 +69,7 @@ def _cut(model: nn.Module, counts: list[int], example_inputs) -> tuple:
     if pipe.num_stages != len(counts):
         raise TraceError(f"torch.distributed.pipelining cut {type(model).__name__} into {pipe.num_stages} "
                          f"stages, not {len(counts)}: its forward must call the layers in order")
+    _untied_across(model, pipe)
     for j in range(pipe.num_stages):
         # the export's checks of dtype casts: they compute nothing, and would be traced as ops
         for part in pipe.get_stage_module(j).modules():   # the layers' graphs (unflattened), too
@@ -78,6 +81,23 @@ def _cut(model: nn.Module, counts: list[int], example_inputs) -> tuple:
                     if isinstance(gm, fx.GraphModule):
                         gm.recompile()
     return pipe
+
+
+def _untied_across(model: nn.Module, pipe) -> None:
+    """Refuse a weight the model shares between stages (an LM head tied to the embedding, the
+    embedding on the first stage and the head on the last): each stage would train its own copy."""
+    holder: dict[str, set[int]] = {}
+    for j in range(pipe.num_stages):
+        for name, _ in pipe.get_stage_module(j).named_parameters(remove_duplicate=False):
+            holder.setdefault(name, set()).add(j)
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    for names in groups.values():
+        stages = sorted(set().union(*(holder.get(n, set()) for n in names)))
+        if len(stages) > 1:
+            raise ConstraintError(f"{' and '.join(names)} are one weight, used by pipeline stages {stages}; each stage "
+                                  "would train its own copy. Untie them (a separate head), or plan without stages")
 
 
 def _wiring(split_gm: fx.GraphModule, n: int) -> list[list[tuple[str, object]]]:
@@ -141,12 +161,13 @@ class _Stage(nn.Module):
     a later stage reads come from the micro-batch it is on (``feed``); forwards on a stage run in
     micro-batch order under every schedule here."""
 
-    def __init__(self, body: DistributedModule, sources: list[tuple[str, int]], passed: list[int], first: bool):
+    def __init__(self, body: DistributedModule, sources: list[tuple[str, int]], passed: list[int], first: bool,
+                 last: bool):
         super().__init__()
         self.body = body
         self.sources = sources
         self.passed = passed
-        self.first = first
+        self.first, self.last = first, last
         self.__dict__["feed"] = []   # per micro-batch: the model's inputs (set by PipelineModule.step)
         self.calls = 0
 
@@ -159,7 +180,7 @@ class _Stage(nn.Module):
             args = [chunk[k] if kind == "root" else received[k] for kind, k in self.sources]
         out = self.body(*self.body.shard_inputs(*args))
         # torch's schedule concatenates the last stage's outputs over micro-batches: a loss of one element
-        out = (out.reshape(1) if out.dim() == 0 else out,) if isinstance(out, torch.Tensor) else tuple(out)
+        out = (out.reshape(1) if self.last else out,) if isinstance(out, torch.Tensor) else tuple(out)
         # passed on as copies: torch's stage may reuse its receive buffers for the next micro-batch
         out = out + tuple(received[k].clone() for k in self.passed)
         return out[0] if len(out) == 1 else out
@@ -171,9 +192,11 @@ class PipelineModule(nn.Module):
     schedule and returns the mean loss; an optimizer steps ``parameters()`` as usual."""
 
     def __init__(self, plan: PipelinePlan, stages: list[_Stage], schedule, pp_group, persistent: set[str],
-                 stage_plans: dict[int, Plan], stage_roots: list[int]):
+                 stage_plans: dict[int, Plan], stage_roots: list[int], batch_meta: list, loss_like: torch.Tensor):
         super().__init__()
         self.plan = plan
+        self._batch_meta = batch_meta   # (shape, dtype) of each global input, as compiled
+        self.__dict__["_loss_like"] = loss_like
         self.stage_plans = stage_plans
         self.__dict__["_stages"] = stages
         self.__dict__["_schedule"] = schedule
@@ -190,8 +213,10 @@ class PipelineModule(nn.Module):
         gradients land in ``.grad`` (the mean over micro-batches, as one batch's). Returns the mean
         loss, on every rank."""
         m = self.plan.micro_batches
-        if batch_size(global_inputs) % m:
-            micro_batch(global_inputs, m)   # raises, naming the counts that divide it
+        got = [(tuple(x.shape), x.dtype) for x in global_inputs if isinstance(x, torch.Tensor)]
+        if got != self._batch_meta:   # checked on every rank: a stage must not wait on one that raised
+            raise RuntimeMismatchError(f"the pipeline was compiled for a global batch of {self._batch_meta} "
+                                       f"(shape, dtype per input), got {got}; compile it for this batch")
         chunks = [tuple(x.tensor_split(m)[i] if isinstance(x, torch.Tensor) else x for x in global_inputs)
                   for i in range(m)]
         for stage in self.__dict__["_stages"]:
@@ -201,7 +226,7 @@ class PipelineModule(nn.Module):
         first = tuple(global_inputs[k] for k in self._roots)
         self.__dict__["_schedule"].step(*first, target=torch.zeros(m), losses=losses)
         group = self.__dict__["_pp_group"]
-        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+        loss = torch.stack([x.detach() for x in losses]).mean() if losses else self.__dict__["_loss_like"].clone()
         dist.broadcast(loss, group=group, group_src=dist.get_world_size(group) - 1)
         return loss
 
@@ -216,15 +241,19 @@ class PipelineModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every stage's gradients: the global norm (over
         the pipeline too), every shard scaled alike."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        local = [(g.full_tensor() if isinstance(g, DTensor) else g).float() for g in grads]
-        total = torch.stack([g.norm(norm_type) ** norm_type for g in local]).sum() if local else torch.zeros(())
-        # every rank of a stage's sub-mesh holds the same full norms: summed over the pipeline only
-        dist.all_reduce(total, group=self.__dict__["_pp_group"])
-        norm = total ** (1.0 / norm_type)
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(scale)
+        params = [p for p in self.parameters() if p.grad is not None]
+        like = self.__dict__["_loss_like"]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type) if params else \
+            torch.zeros((), device=like.device)
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()   # this rank's stages'
+        # every rank of a stage's sub-mesh holds its stages' norm: combined over the pipeline only
+        if math.isinf(norm_type):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.__dict__["_pp_group"])
+        else:
+            norm = norm ** norm_type
+            dist.all_reduce(norm, group=self.__dict__["_pp_group"])
+            norm = norm ** (1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     # this rank's state is its stages' entries: a checkpoint of the whole model holds more
@@ -291,7 +320,7 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from autoshard.build import build
-    from autoshard.planning.driver import prepare, solve
+    from autoshard.planning.driver import prepare, solve, trace
     from autoshard.planning.pricing import price
     from autoshard.planning.roles import allow_for
 
@@ -313,6 +342,10 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     pipe = _cut(model, counts, mb)
     wiring = _wiring(pipe.split_gm, len(counts))
     examples, values = _examples(pipe, wiring, mb, device)
+    last = [t for (i, _), t in values.items() if i == len(counts) - 1]
+    if len(last) != 1 or last[0].dim() != 0 or not last[0].is_floating_point():
+        raise ConstraintError(f"a pipeline's last stage hands the schedule the loss: {type(model).__name__}'s "
+                              f"forward must return one scalar loss, not {[tuple(t.shape) for t in last]}")
     route = _Route(wiring, [sum(1 for i, _ in values if i == j) for j in range(len(counts))])
     mesh, pp = _mesh(cluster, p, device.type)
     coordinate = mesh.get_coordinate()[0]
@@ -321,18 +354,24 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     def hold(j):
         return held(plan.schedule, p, m, j % p, v)
 
+    def prepared(j):
+        # received activations take gradients, sent back to the stage before
+        traced = trace(pipe.get_stage_module(j), examples[j], device=device, input_grads=True)
+        return prepare(traced, stage, examples[j], strict)
+
     def stage_plan(j):
-        traced, fallbacks, gaps = prepare(pipe.get_stage_module(j), stage, examples[j], strict, device=device)
+        traced, fallbacks, gaps = prepared(j)
         allow = allow_for(traced, roles) if roles is not None else None
-        problem, solution, limit = solve(traced, stage, None, plan.memory_limit, True, time_limit, allow=allow,
+        # a rank's v programs share its memory
+        problem, solution, limit = solve(traced, stage, None, plan.memory_limit / v, True, time_limit, allow=allow,
                                          grad_accumulation=m, held_batches=hold(j), held_head=hold(j))
-        return traced, price(traced, stage, problem, solution, fallbacks, gaps, limit)
+        return price(traced, stage, problem, solution, fallbacks, gaps, limit)
 
     # rank 0 plans every stage program and every rank runs its plans: ranks never disagree on a tie
     box = [None]
     if dist.get_rank() == 0:
         try:
-            box = [[stage_plan(j)[1].to_json() for j in range(p * v)]]
+            box = [[stage_plan(j).to_json() for j in range(p * v)]]
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
             box = [exc]
     dist.broadcast_object_list(box, src=0)
@@ -344,15 +383,15 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     stages, pipeline_stages = [], []
     for j in mine:
         program = pipe.get_stage_module(j)
-        traced, _, _ = prepare(program, stage, examples[j], strict, device=device)
+        traced, _, _ = prepared(j)
         plans[j].check_matches(traced.fingerprint, stage.to_json(), plans[j].backend)
         body = build(program, traced, plans[j], stage, device, None, m, mesh=sub)
-        wrapped = _Stage(body, route.inputs(j), route.passed(j), first=j == 0)
+        wrapped = _Stage(body, route.inputs(j), route.passed(j), first=j == 0, last=j == p * v - 1)
         stages.append(wrapped)
-        sent = [values[(j, k)] for k in range(route.own[j])] + [values[v] for v in route.passes[j]]
-        outs = [o.reshape(1) if o.dim() == 0 else o for o in sent]
+        sent = [values[(j, k)] for k in range(route.own[j])] + [values[x] for x in route.passes[j]]
+        outs = [sent[0].reshape(1)] if j == p * v - 1 else sent   # the loss as _Stage hands it on
         received = examples[0] if j == 0 else [values[(j - 1, k)] for k in range(route.own[j - 1])] + \
-            [values[v] for v in route.passes[j - 1]]
+            [values[x] for x in route.passes[j - 1]]
         pipeline_stages.append(PipelineStage(
             wrapped, j, p * v, device,
             input_args=tuple(_meta(a, j > 0) for a in received), output_args=tuple(_meta(o, True) for o in outs),
@@ -367,5 +406,7 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
         kind = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
         schedule = kind(pipeline_stages[0], m, loss_fn=loss_fn)
     persistent = set(model.state_dict())
-    return PipelineModule(plan, stages, schedule, mesh.get_group(pp), persistent,
-                          {j: plans[j] for j in mine}, [k for _, k in wiring[0]])
+    batch_meta = [(tuple(x.shape), x.dtype) for x in inputs if isinstance(x, torch.Tensor)]
+    loss_like = torch.zeros((), dtype=last[0].dtype, device=device)
+    return PipelineModule(plan, stages, schedule, mesh.get_group(pp), persistent, {j: plans[j] for j in mine},
+                          [k for _, k in wiring[0]], batch_meta, loss_like)
