@@ -5,7 +5,7 @@ FSDP x TP x PP 8 (``fsdp_tp_pp``, with and without full recompute), the free pla
 stages on the cluster's mesh, and the FSDP and TP x FSDP baselines without stages (each with
 and without full recompute), with every planning time. Predicted figures (the cost model's), bf16, all on meta tensors. Writes bench/out/pipeline.json.
 
-    .venv/bin/python bench/pipeline.py [--cases 70b-h100x16 70b-perlmutter64 405b-h100x64 1b-h100x4-10gbe]
+    .venv/bin/python bench/pipeline.py [--cases 70b-h100x16 70b-perlmutter64 405b-h100x64 0.5b-h100x4-10gbe]
                                        [--seq 4096] [--stages 2 4 8 16] [--time-limit 60]
 """
 
@@ -31,7 +31,7 @@ CASES = {  # name: (model, preset, nodes, global batch)
     "70b-perlmutter64": ("70b", "perlmutter", 64, 256),
     "405b-h100x64": ("405b", "dgx-h100", 64, 512),
     # a small model on nodes joined by 10 Gb Ethernet: what stages are for
-    "1b-h100x4-10gbe": ("1b", "dgx-h100-10gbe", 4, 8),
+    "0.5b-h100x4-10gbe": ("0.5b", "dgx-h100-10gbe", 4, 8),
 }
 
 
@@ -44,7 +44,7 @@ def cluster_of(preset: str, nodes: int) -> autoshard.Cluster:
 
 
 def model_of(size: str, seq: int):
-    if size == "1b":   # 8 layers of hidden 2048
+    if size == "0.5b":   # 8 layers of hidden 2048: 0.51B parameters
         cfg = LlamaConfig(vocab=32000, seq=seq, hidden=2048, heads=16, kv_heads=8, intermediate=5632, layers=8)
     elif size == "70b":
         cfg = LlamaConfig.llama3_70b(seq)
