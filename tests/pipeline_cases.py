@@ -81,6 +81,8 @@ def run_case(schedule: str, roles, checkpoint_dir: str | None, kind: str = "llam
     opt.zero_grad()
     pm.step(*batch)
     out["grad2"] = _gap(pm, {n: p.grad for n, p in reference.named_parameters()}, grads=True)
+    # the norm over every stage's gradients, as the whole model's (nothing clipped at this bound)
+    out["norm"] = abs(pm.clip_grad_norm_(1e9).item() - torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item())
     try:   # every rank refuses a batch of another shape: none waits on a stage that raised
         pm.step(*(x[:4] for x in batch))
     except autoshard.errors.RuntimeMismatchError as exc:

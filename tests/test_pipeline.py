@@ -250,6 +250,7 @@ def test_a_pipeline_step_matches_the_single_device_step(pipeline_runs, case):
         r = res[case]
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["param"] < 1e-5, (rank, case, r)
         assert r["is_dtensor"] and r["grad2"] < 1e-5, (rank, case, r)   # the second step's, from the new weights
+        assert r["norm"] < 1e-5, (rank, case, r)
         assert "compiled for a global batch of [((8, 16), torch.int64)" in r["wrong_batch"], r["wrong_batch"]
         layers = {int(n.split("layers.")[1].split(".")[0]) if "layers." in n else int(n.split(".")[1])
                   for n in r["names"] if n.startswith("blocks.") or ".layers." in n}
