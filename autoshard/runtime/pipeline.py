@@ -8,7 +8,8 @@ on the ranks of pipeline coordinate j mod p (torch's loop order: interleaved giv
 them), on a sub-mesh of N/p x the inner dims. Each stage program is planned by the ILP on that
 sub-mesh (its held micro-batches from the schedule, its gradients accumulated over the m
 micro-batches) and built as a :class:`~autoshard.runtime.module.DistributedModule`: DTensor
-parameters under the model's names, gradients reduced to storage once per step.
+parameters (plain tensors on a stage of one device) under the model's names, gradients reduced
+to storage once per step.
 
 Between stages travel full tensors: a stage hands on its outputs in full, identical on every rank
 of its sub-mesh (as a compiled module returns them), rank (s, i) to rank (s + 1, i); the receiver
@@ -23,7 +24,6 @@ torch.distributed.checkpoint saves a pipeline and loads it into any other plan, 
 """
 
 from __future__ import annotations
-
 
 import math
 
@@ -49,14 +49,14 @@ def stage_layers(plan: PipelinePlan) -> list[int]:
     return [chunks[j % p][j // p] for j in range(p * v)]
 
 
-def _cut(model: nn.Module, counts: list[int], example_inputs) -> tuple:
-    """The model's forward cut into len(counts) programs of ``counts`` repeated layers each
-    (torch.distributed.pipelining), and the split graph that wires them."""
+def _cut(model: nn.Module, counts: list[int], example_inputs):
+    """The model's forward cut into len(counts) programs of ``counts`` repeated layers each: torch's
+    ``Pipe``, whose ``split_gm`` wires the programs."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     parent, attr, stack = repeated_module(model)
     prefix = next(name for name, m in model.named_modules() if m is parent)
-    names = list(stack._modules)
+    names = [name for name, _ in stack.named_children()]
     if sum(counts) != len(names):
         raise ConstraintError(f"the pipeline plan places {sum(counts)} layers; the model has {len(names)}")
     starts = [sum(counts[:j]) for j in range(1, len(counts))]
