@@ -278,12 +278,11 @@ def _mesh(cluster: Cluster, p: int, device_type: str):
 
 
 def _fake_outputs(program: nn.Module, args, device):
-    """The program's outputs as fake tensors (shapes and dtypes; nothing real runs)."""
-    from autoshard.passes.trace import _fake_like, _fake_parameters
-
-    mode = _torch.FakeTensorMode(allow_non_fake_inputs=False)
-    fakes = tuple(_fake_like(mode, a, device) if isinstance(a, torch.Tensor) else a for a in args)
-    with _fake_parameters(program, mode, device), mode, torch.no_grad():
+    """The program's outputs as fake tensors (shapes and dtypes; nothing real runs: the fake mode
+    reads its parameters' metadata only)."""
+    with _torch.FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        fakes = tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=device)
+                      if isinstance(a, torch.Tensor) else a for a in args)
         out = program(*fakes)
     return out if isinstance(out, tuple) else (out,)
 
