@@ -35,7 +35,7 @@ dropped):
   when smaller), and inside each stage (fsdp, tp) on its (N/8, G) mesh: torchtitan's 3-D layout
   for its largest runs (FSDP 8 x TP 8 x PP 8 on 512 H100). Priced by
   :mod:`autoshard.planning.pipeline` (a :class:`~autoshard.planning.pipeline.PipelinePlan`, which
-  does not run yet), over 1F1B and interleaved 1F1B; with fewer than 8 nodes, the most stages
+  ``compile`` runs), over 1F1B and interleaved 1F1B; with fewer than 8 nodes, the most stages
   up to 8 that divide them. :func:`plan_baseline` plans it from the ``nn.Module`` (the stages
   cut its layers); :func:`compare` does not.
 

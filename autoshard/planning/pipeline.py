@@ -42,8 +42,8 @@ micro-batches in flight, or more than both embeddings and head. Its times split 
 post by where each op runs (:func:`parts`); recompute is chosen by that ILP as for any plan,
 under the stage's cap. Stages share the one solve, as repeated layers do.
 
-Limits: pipeline plans are priced, not run: ``autoshard.compile`` does not take them yet. Only
-the outer mesh dim carries stages. GPipe prices as 1F1B with more memory, so the default search
+``autoshard.compile(..., plan=pipeline_plan)`` runs a plan (autoshard/runtime/pipeline.py), each
+stage program planned again on its own. Limits: only the outer mesh dim carries stages. GPipe prices as 1F1B with more memory, so the default search
 leaves it out (``schedules=("gpipe", ...)`` prices it).
 """
 
