@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import autoshard
 import autoshard.runtime.checkpoint as ckpt
+from autoshard.planning.baselines import plan_baseline
 from autoshard.planning.pipeline import plan_pipeline
 from autoshard.zoo import Llama, LlamaConfig
 
@@ -93,7 +94,13 @@ def run_case(schedule: str, roles, checkpoint_dir: str | None, kind: str = "llam
     # pipeline -> a plan without stages (all 4 ranks, its own plan) -> a new pipeline
     trained = {n: _full(p) for n, p in pm.named_parameters()}   # this rank's stage
     ckpt.save(os.path.join(checkpoint_dir, "pp"), pm)
-    flat = autoshard.compile(_model(5), autoshard.Cluster.local(dist.get_world_size(), (2, 2)), batch)
+    # the plan without stages: FSDP over all 4 ranks, a small solve (the free one can take minutes
+    # on a loaded machine); what matters here is that it has no stages
+    cluster = autoshard.Cluster.local(dist.get_world_size(), (2, 2))
+    fsdp = plan_baseline(_model(5), cluster, "fsdp", batch, time_limit=60) if dist.get_rank() == 0 else None
+    box = [None if fsdp is None else fsdp.to_json()]
+    dist.broadcast_object_list(box, src=0)
+    flat = autoshard.compile(_model(5), cluster, batch, plan=autoshard.Plan.from_json(box[0]))
     ckpt.load(os.path.join(checkpoint_dir, "pp"), flat)
     loaded = {n: _full(p) for n, p in flat.named_parameters()}   # collective: every rank, every name
     out["pp_to_flat"] = max((loaded[n] - t).abs().max().item() for n, t in trained.items())
