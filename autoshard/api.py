@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,9 @@ def _with_stages(model, cluster: Cluster, example_inputs, stages, options: dict)
     if not results:
         errors["flat"].add_note(f"with stages: {type(errors['pipeline']).__name__}: {errors['pipeline']}")
         raise errors["flat"]
+    for side, exc in errors.items():   # the plan returned is the other side's: say so
+        warnings.warn(f"autoshard: plan(stages=...) has no plan {'with' if side == 'pipeline' else 'without'} stages "
+                      f"({type(exc).__name__}: {exc}); returning the other", stacklevel=3)
     best = min(results, key=lambda r: r.step_time)
     other = [r for r in results if r is not best]
     best.stats["other_step_time"] = other[0].step_time if other else None

@@ -289,6 +289,13 @@ def test_plan_with_stages_returns_the_faster_of_both():
     winner, loser = sorted([flat, pp], key=lambda p: p.step_time)
     assert type(best) is type(winner) and best.step_time == pytest.approx(winner.step_time)
     assert best.stats["other_step_time"] == pytest.approx(loser.step_time)
+    from autoshard.zoo import MLP
+
+    mlp = MLP()   # no stack of identical layers: the plan without stages, with a warning that says why
+    with pytest.warns(UserWarning, match="no plan with stages"):
+        alone = autoshard.plan(mlp, cluster, mlp.example_inputs(8) if hasattr(mlp, "example_inputs") else
+                               (torch.randn(8, 32), torch.randn(8, 16)), stages=2, time_limit=60)
+    assert "ConstraintError" in alone.stats["other_error"]["pipeline"]
     with pytest.raises(ConstraintError, match="nn.Module, not a traced model"):
         autoshard.plan(autoshard.trace(model, inputs), cluster, stages=2)
     with pytest.raises(ConstraintError, match="take no grad_accumulation"):
