@@ -34,7 +34,8 @@ def plan(model, cluster: Cluster, example_inputs=None, *, constraints: dict | No
     :func:`trace`) for ``cluster``; ``example_inputs`` describe the global batch.
 
     ``stages``: also try pipeline stages over the outer mesh dim ("auto": every stage count of
-    :func:`autoshard.planning.pipeline.plan_pipeline`; an int or a list: those) and return the
+    :func:`autoshard.planning.pipeline.plan_pipeline`; an int or a list: those; with ``meshes``,
+    over the outer dim of each logical mesh too) and return the
     faster of the plan without stages and the best :class:`~autoshard.planning.pipeline.PipelinePlan`
     (``compile(plan=...)`` runs either); the loser's step time is in ``stats["other_step_time"]``,
     and why a side has no plan in ``stats["other_error"]``. Default: no stages.
@@ -116,7 +117,7 @@ def _with_stages(model, cluster: Cluster, example_inputs, stages, options: dict)
 
     if isinstance(model, TracedModel):
         raise ConstraintError("pipeline stages cut the model's layers: pass the nn.Module, not a traced model")
-    defaults = dict(constraints=None, allow=None, mixed_precision=None, meshes=None, cutoff=None, moe_capacity=None,
+    defaults = dict(constraints=None, allow=None, mixed_precision=None, cutoff=None, moe_capacity=None,
                     grad_accumulation=1, backend="eager", moe_imbalance=1.0)
     pinned = {k for k, v in defaults.items() if options[k] != v}
     if pinned:
@@ -130,7 +131,8 @@ def _with_stages(model, cluster: Cluster, example_inputs, stages, options: dict)
     try:
         results.append(plan_pipeline(model, cluster, example_inputs, stages=None if stages == "auto" else stages,
                                      memory_limit=options["memory_limit"], recompute=options["recompute"],
-                                     time_limit=options["time_limit"], strict=options["strict"]))
+                                     time_limit=options["time_limit"], strict=options["strict"],
+                                     meshes=options["meshes"]))
     except (InfeasibleError, SolverError, ConstraintError) as exc:   # no layers to cut, too: the flat plan stands
         errors["pipeline"] = exc
     if not results:

@@ -7,6 +7,10 @@ and without full recompute), with every planning time. Predicted figures (the co
 
     .venv/bin/python bench/pipeline.py [--cases 70b-h100x16 70b-perlmutter64 405b-h100x64 0.5b-h100x4-10gbe]
                                        [--seq 4096] [--stages 2 4 8 16] [--time-limit 60]
+                                       [--meshes auto-2d]
+
+``--meshes``: also the free pipeline search over the outer dim of each logical mesh
+(``plan_pipeline(meshes=...)``: which grid carries the stages is chosen too), one row.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def row_of(name, p, seconds):
     if isinstance(p, PipelinePlan):
         out.update(stages=p.stages, virtual=p.virtual, micro_batches=p.micro_batches, schedule=p.schedule,
                    layers=p.layers, stage_mesh=list(p.stage_mesh), bubble_s=p.bubble_time, send_s=p.send_time,
+                   mesh=list(p.mesh_shape),
                    solves=p.stats.get("solves"), candidates=p.stats.get("candidates"), errors=p.stats.get("errors"),
                    stopped=p.stats.get("stopped"), status=p.stage_plan.solver["status"])
     else:
@@ -70,7 +75,7 @@ def row_of(name, p, seconds):
     return out
 
 
-def run(case: str, seq: int, time_limit: float, stages) -> list[dict]:
+def run(case: str, seq: int, time_limit: float, stages, meshes=None) -> list[dict]:
     size, preset, nodes, batch = CASES[case]
     model = model_of(size, seq)
     inputs = tuple(torch.empty(batch, seq, dtype=torch.long, device="meta") for _ in range(2))
@@ -78,6 +83,10 @@ def run(case: str, seq: int, time_limit: float, stages) -> list[dict]:
     rows = []
     jobs = [(f"pipeline, {p} stages", lambda p=p: plan_pipeline(model, cluster, inputs, stages=p, time_limit=time_limit))
             for p in stages if nodes % p == 0 and p <= len(model.blocks)]
+    if meshes is not None:
+        jobs.append((f"pipeline, meshes {meshes}", lambda: plan_pipeline(
+            model, cluster, inputs, stages=[p for p in stages if p <= len(model.blocks)], meshes=meshes,
+            time_limit=time_limit)))
     jobs += [("fsdp_tp_pp", lambda: plan_baseline(model, cluster, "fsdp_tp_pp", inputs, time_limit=time_limit)),
              ("fsdp_tp_pp+recompute", lambda: plan_baseline(model, cluster, "fsdp_tp_pp+recompute", inputs,
                                                             time_limit=time_limit))]
@@ -112,15 +121,17 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--meshes", default=None, help='"auto", "auto-2d": pipelines over logical meshes too')
     ap.add_argument("--out", default="bench/out/pipeline.json")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
-    rows = [r for case in args.cases for r in run(case, args.seq, args.time_limit, args.stages)]
+    rows = [r for case in args.cases for r in run(case, args.seq, args.time_limit, args.stages, args.meshes)]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"{'case':18} {'plan':20} {'step s':>8} {'peak GB':>8} {'plan s':>7}  layout")
     for r in rows:
-        layout = (f"PP {r['stages']} x{r['virtual']} {r['schedule']} m={r['micro_batches']} stage mesh {r['stage_mesh']}"
+        layout = (f"PP {r['stages']} x{r['virtual']} {r['schedule']} m={r['micro_batches']} over {r['mesh']}, "
+                  f"stage mesh {r['stage_mesh']}"
                   if "stages" in r else f"mesh {r.get('mesh')}" if "mesh" in r else r.get("error", ""))
         step = f"{r['step_s']:8.3f}" if "step_s" in r else f"{'-':>8}"
         peak = f"{r['peak_gb']:8.1f}" if "peak_gb" in r else f"{'-':>8}"

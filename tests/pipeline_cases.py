@@ -52,8 +52,9 @@ def _model(seed: int, kind: str = "llama"):
 def _pipeline(seed: int, batch, schedule: str, roles, kind: str = "llama"):
     cluster = autoshard.Cluster.local(dist.get_world_size(), (2, 2))
     model = _model(seed, kind)
+    # transformers' model: its stages cut the logical mesh (4,) of the same ranks, not the (2, 2) given
     plan = plan_pipeline(model, cluster, batch, stages=2, micro_batches=4, schedules=(schedule,), roles=roles,
-                         time_limit=60)
+                         time_limit=60, meshes=[(4,)] if kind == "qwen2" else None)
     return autoshard.compile(model, cluster, batch, plan=plan)
 
 
@@ -75,7 +76,8 @@ def run_case(schedule: str, roles, checkpoint_dir: str | None, kind: str = "llam
     opt.step()
     out.update(param=_gap(pm, params_ref), names=sorted(n for n, _ in pm.named_parameters()),
                is_dtensor=all(isinstance(p, DTensor) for p in pm.parameters()),
-               stage_programs=sorted(pm.stage_plans), schedule=type(pm.__dict__["_schedule"]).__name__)
+               stage_programs=sorted(pm.stage_plans), schedule=type(pm.__dict__["_schedule"]).__name__,
+               mesh=pm.plan.mesh_shape, pieces=pm.__dict__["_stages"][0].__dict__["hand"].size, stage_dims=sorted({p.device_mesh.mesh_dim_names for p in pm.parameters()}))
     # a second step from the same batch: the accumulation counters restart every step
     reference.zero_grad()
     reference(*batch).backward()

@@ -7,6 +7,7 @@ against the single-device step, and checkpoints across plans with and without st
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -153,15 +154,22 @@ def test_a_stage_plans_parts_add_up_to_its_step():
 
 
 def test_a_stage_sends_its_hidden_state():
-    """On one device nothing is split: a rank sends the whole hidden state of a micro-batch,
-    batch x sequence x hidden x 4 bytes (float32), and nothing else."""
-    model, inputs = _tiny_llama(2)
-    cluster = autoshard.Cluster.local(1)
-    options = dict(recompute=False, time_limit=60, roles=None, strict=False)
-    traced, sp = pipeline._stage_plan(model, pipeline.micro_batch(inputs, 2), cluster, 2, 2, [1.0, 1.0],
-                                      float("inf"), options)
+    """What crosses a boundary is the hidden state of a micro-batch, batch x sequence x hidden x 4
+    bytes (float32), and nothing else; a stage of S devices sends S pieces of it over the outer
+    link and gathers them over its own: the sends are that formula, whatever the plan's placement."""
+    model, inputs = _tiny_llama(4)
     cfg = LlamaConfig.tiny()   # what _tiny_llama builds, but for its layer count
-    assert pipeline.boundary_bytes(sp, traced) == 4 * cfg.seq * cfg.hidden * 4
+    options = dict(recompute=False, time_limit=60, roles=None, strict=False)
+    traced, _ = pipeline._stage_plan(model, pipeline.micro_batch(inputs, 2), autoshard.Cluster.local(1), 2, 2,
+                                     [1.0, 1.0], float("inf"), options)   # the solve marks the layers
+    whole = pipeline.boundary_bytes(traced)
+    assert whole == 4 * cfg.seq * cfg.hidden * 4
+    cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
+    pp = pipeline.plan_pipeline(model, cluster, inputs, stages=2, micro_batches=2, schedules="1f1b", time_limit=60)
+    net, nvlink = cluster.links
+    hop = net.latency + whole / 8 / net.effective_bandwidth + 7 / 8 * whole / nvlink.effective_bandwidth \
+        + 7 * nvlink.latency   # the ring all-gather over the 8 GPUs of a node
+    assert pp.send_time == pytest.approx((2 + 1) * 2 * hop)
 
 
 def test_a_transformers_model_whose_layers_the_stages_do_not_divide():
@@ -209,6 +217,30 @@ def test_fsdp_tp_pp_is_fsdp_and_tp_inside_each_stage():
         compare(model, cluster, inputs, baselines=["fsdp_tp_pp"])
 
 
+def test_stages_over_each_logical_mesh():
+    """``meshes``: the stages may cut the outer dim of another grid of the same devices; the plan
+    is the fastest of plan_pipeline on each grid alone, and records the grid it cut."""
+    model, inputs = _tiny_llama(4)
+    cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
+    options = dict(stages=[2, 4], micro_batches=4, schedules="1f1b", time_limit=60)
+    both = pipeline.plan_pipeline(model, cluster, inputs, meshes=[(2, 8), (16,)], **options)
+    own = pipeline.plan_pipeline(model, cluster, inputs, stages=2, micro_batches=4, schedules="1f1b",
+                                 time_limit=60)
+    flat = pipeline.plan_pipeline(model, cluster.with_mesh((16,)), inputs, **options)
+    assert own.mesh_shape == (2, 8) and flat.mesh_shape == (16,) and flat.stage_mesh in ((8,), (4,))
+    assert both.step_time == pytest.approx(min(own.step_time, flat.step_time))
+    assert both.mesh_shape == min([own, flat], key=lambda p: p.step_time).mesh_shape
+    # 4 stages do not cut the 2 nodes of the own grid: recorded, not raised; they do cut (16,)
+    assert both.stats["candidates"]["(2, 8) pp4"] is None and "stage counts that do" in both.stats["errors"]["(2, 8) pp4"]
+    assert both.stats["candidates"]["(16,) pp4 m4 1f1b"] == pytest.approx(flat.stats["candidates"]["pp4 m4 1f1b"])
+    again = pipeline.PipelinePlan.from_json(both.to_json())
+    assert again.mesh_shape == both.mesh_shape and again.mesh_dim_names == both.mesh_dim_names
+    legacy = {k: v for k, v in json.loads(both.to_json()).items() if k not in ("mesh_shape", "mesh_dim_names")}
+    assert pipeline.PipelinePlan.from_json(json.dumps(legacy)).mesh_shape is None   # a file from before: its cluster's
+    with pytest.raises(ConstraintError, match="roles name the dims of the cluster's own mesh"):
+        pipeline.plan_pipeline(model, cluster, inputs, meshes=[(16,)], roles=("fsdp", "tp"))
+
+
 def test_bad_input_names_what_works():
     model, inputs = _tiny_llama(4)
     cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
@@ -235,7 +267,7 @@ def pipeline_runs(tmp_path_factory):
 
     from autoshard.runtime.launch import run_local
 
-    # every rank plans the pipeline, then rank 0 each stage program while the others wait: a
+    # every rank plans the pipeline, then each stage plans its programs while the other waits: a
     # loaded machine needs more than the default 2 minutes for a collective
     return run_local(pipeline_cases.run_cases, 4, RUNS, str(tmp_path_factory.mktemp("pp")), timeout=1200,
                      pg_timeout=900)
@@ -262,6 +294,10 @@ def test_a_pipeline_step_matches_the_single_device_step(pipeline_runs, case):
             assert r["stage_programs"] == ([0] if rank in first else [1])
             assert r["schedule"] == ("ScheduleGPipe" if "gpipe" in case else "Schedule1F1B")
             assert layers == ({0, 1} if rank in first else {2, 3}), (rank, r["names"])
+        # qwen2's plan cut the logical mesh (4,): each stage's parameters live on its "world" dim
+        assert r["mesh"] == ((4,) if case.startswith("qwen2") else (2, 2)), r["mesh"]
+        assert r["pieces"] == 2   # each rank sends half of what crosses a boundary; its stage gathers
+        assert r["stage_dims"] == ([("world",)] if case.startswith("qwen2") else [("d1",)]), r["stage_dims"]
         embed, head = ("embed.weight", "head.weight") if not case.startswith("qwen2") else \
             ("model.model.embed_tokens.weight", "model.lm_head.weight")
         assert (embed in r["names"]) == (rank in first) and (head in r["names"]) == (rank in last), r["names"]

@@ -106,7 +106,9 @@ def allow_data_outer(traced, allow):
     return data if allow is None else (lambda node, s: allow(node, s) and data(node, s))
 
 
-def _normalize(cluster: Cluster, meshes) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+def grids(cluster: Cluster, meshes) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """(shape, dim names) of each logical mesh ``meshes`` names: "auto", "auto-2d" or a list of
+    shapes (a ClusterError for anything else)."""
     if meshes == "auto":
         return candidates(cluster)
     if meshes == "auto-2d":  # the cheap part: no 3-D solves
@@ -143,7 +145,7 @@ def plan_over(plan_one, traced, cluster: Cluster, meshes, **kwargs):
     without a plan in full, 149 s to be cut off)."""
     best, tried, errors, seconds, why = None, {}, [], {}, {}
     cutoff = kwargs.pop("cutoff", None)
-    for shape, names in _normalize(cluster, meshes):
+    for shape, names in grids(cluster, meshes):
         logical = cluster.with_mesh(shape, names)
         start = time.perf_counter()
         args = dict(kwargs, cutoff=tightened(cutoff, best))

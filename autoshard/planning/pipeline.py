@@ -16,13 +16,16 @@ intra-op plan (below). The step is
 
     bubble = p - 1            GPipe and 1F1B
            = (p - 1) / v      interleaved 1F1B, v virtual stages (chunks of layers) per rank
-    sends  = (m v + p - 1) * 2 * (alpha + a / beta)    a micro-batch's activation forward and its
+    sends  = (m v + p - 1) * 2 * (alpha + a / (S beta) + G(a))
+                                                    a micro-batch's activation forward and its
                                                     gradient back, over the outer dim's link,
                                                     not hidden: torch's schedules wait on each
                                                     receive before the compute that needs it
 
-(a: the bytes one rank sends across a stage boundary, the local share of the hidden state under
-the plan's placement). The layers are split to minimize max_s t_s (:func:`balance`): a layer count
+(a: the bytes of the hidden state that crosses a stage boundary, whole; S the stage's devices).
+Each rank of a stage holds that tensor whole and sends only its 1/S piece to its peer in the
+next stage, which gathers the S pieces over its own devices: G(a), an all-gather over the stage
+mesh, its faster links (Megatron's scatter-gather; the gradient comes back the same way). The layers are split to minimize max_s t_s (:func:`balance`): a layer count
 that the stages do not divide gives uneven stages, the first and last shorter when embeddings
 and head cost more.
 
@@ -43,7 +46,8 @@ post by where each op runs (:func:`parts`); recompute is chosen by that ILP as f
 under the stage's cap. Stages share the one solve, as repeated layers do.
 
 ``autoshard.compile(..., plan=pipeline_plan)`` runs a plan (autoshard/runtime/pipeline.py), each
-stage program planned again on its own. Limits: only the outer mesh dim carries stages. GPipe prices as 1F1B with more memory, so the default search
+stage program planned again on its own. Stages cut the outer dim of the cluster's mesh, or of each
+logical mesh ``meshes`` names (:func:`plan_pipeline`). GPipe prices as 1F1B with more memory, so the default search
 leaves it out (``schedules=("gpipe", ...)`` prices it).
 """
 
@@ -179,7 +183,8 @@ def micro_batch(example_inputs, micro_batches: int) -> tuple:
 # --- the plan ------------------------------------------------------------------------------------
 @dataclass
 class PipelinePlan:
-    """A pipeline over the outer mesh dim: ``stages`` (p) stages of ``layers`` repeated layers each,
+    """A pipeline over the outer dim of ``mesh_shape`` (a logical mesh of the cluster's devices,
+    :meth:`Cluster.with_mesh`; None: the cluster's own): ``stages`` (p) stages of ``layers`` repeated layers each,
     ``virtual`` chunks per rank, ``micro_batches`` (m) per step under ``schedule``; ``stage_plan``
     the intra-op plan every stage runs (the model cut to max(layers) layers, module docstring) on
     ``stage_mesh``. Times in seconds per step, ``peak_memory`` the bound on every stage's bytes
@@ -200,13 +205,17 @@ class PipelinePlan:
     peak_memory: float
     memory_limit: float
     stage_plan: Plan
-    roles: list[str] | None = None      # the hand layout inside each stage (one per cluster dim), if any
+    roles: list[str] | None = None      # the hand layout inside each stage (one per mesh dim), if any
+    mesh_shape: tuple | None = None     # the (logical) mesh whose outer dim the stages cut; None: the cluster's
+    mesh_dim_names: tuple | None = None
     stats: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         """Stable JSON: the pipeline's fields and its stage plan's own JSON (timings left out)."""
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("stage_plan", "stats")}
         d.update(kind="pipeline", stage_mesh=list(self.stage_mesh), stage_plan=json.loads(self.stage_plan.to_json()))
+        for k in ("mesh_shape", "mesh_dim_names"):
+            d[k] = None if d[k] is None else list(d[k])
         return json.dumps(d, sort_keys=True, indent=1)
 
     @classmethod
@@ -216,14 +225,18 @@ class PipelinePlan:
         if not isinstance(d, dict) or d.pop("kind", None) != "pipeline":
             raise PlanError("not a pipeline plan file: write one with PipelinePlan.to_json()")
         fields = set(cls.__dataclass_fields__) - {"stats"}
-        if set(d) != fields:
-            raise PlanError(f"pipeline plan file: fields {sorted(set(d) ^ fields)} missing or unknown")
+        optional = {"mesh_shape", "mesh_dim_names"}   # files written before grids were chosen: the cluster's
+        if set(d) - fields or fields - optional - set(d):
+            raise PlanError(f"pipeline plan file: fields {sorted((set(d) ^ fields) - optional)} missing or unknown")
         d["stage_plan"] = Plan.from_json(json.dumps(d["stage_plan"]))
         d["stage_mesh"] = tuple(d["stage_mesh"])
+        for k in optional:
+            d[k] = None if d.get(k) is None else tuple(d[k])
         return cls(**d)
 
     def summary(self) -> str:
-        return (f"PP {self.stages}{f' x {self.virtual} virtual' if self.virtual > 1 else ''}, {self.schedule}, "
+        over = f" over mesh {tuple(self.mesh_shape)}" if self.mesh_shape is not None else ""
+        return (f"PP {self.stages}{f' x {self.virtual} virtual' if self.virtual > 1 else ''}{over}, {self.schedule}, "
                 f"{self.micro_batches} micro-batches, layers {self.layers}, stage mesh {self.stage_mesh}: "
                 f"{self.step_time * 1e3:.1f} ms/step (bubble {self.bubble_time * 1e3:.1f} ms, sends "
                 f"{self.send_time * 1e3:.1f} ms), peak {self.peak_memory / 2**30:.1f} GiB")
@@ -328,28 +341,19 @@ def split_times(plan: Plan, copies: int) -> StageTimes:
                       (mb["post"], once["post"]))
 
 
-def boundary_bytes(plan: Plan, traced) -> float:
-    """Bytes one rank sends across a stage boundary per micro-batch: the local size of what the
-    first layer hands the second in forward (the hidden state), under the plan's placements."""
+def boundary_bytes(traced) -> float:
+    """Bytes of what the first repeated layer hands the second in forward (the hidden state), per
+    micro-batch, whole: what crosses a stage boundary each way."""
     from autoshard.passes.annotate import tensor_bytes
     from autoshard.passes.coarsen import LAYER_KEY
-    from autoshard.passes.graph import META_KEY
 
-    choice = {n.name: n.strategy for n in plan.nodes}
     total = 0.0
     for node in traced.gm.graph.nodes:
         layer = node.meta.get(LAYER_KEY)
-        if layer is None or layer[1] != 0 or "val" not in node.meta:
+        if layer is None or layer[1] != 0 or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        if any((u.meta.get(LAYER_KEY) or (None, None))[1] == 1 for u in node.users) \
-                and isinstance(node.meta["val"], torch.Tensor):
-            nbytes = tensor_bytes(node.meta["val"])
-            strategies = node.meta[META_KEY].strategies
-            strategy = next((s for s in strategies if str(s) == choice.get(node.name)), None)
-            if strategy is None:
-                raise ConstraintError(f"the stage's plan has no strategy of {node.name} that its graph knows")
-            share = math.prod(size for pl, size in zip(strategy.outputs[0], plan.mesh_shape) if pl.is_shard())
-            total += nbytes / share
+        if any((u.meta.get(LAYER_KEY) or (None, None))[1] == 1 for u in node.users):
+            total += tensor_bytes(node.meta["val"])
     if total == 0:
         raise ConstraintError("no tensor crosses from the stage's first layer to its second: its layers "
                               "hand nothing on, so they cannot be cut into stages")
@@ -359,17 +363,25 @@ def boundary_bytes(plan: Plan, traced) -> float:
 def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro_batches=None,
                   schedules=("1f1b", "interleaved"), virtual: int = 2, memory_limit: float | None = None,
                   recompute=True, time_limit: float = 120.0, roles: tuple[str, ...] | None = None,
-                  strict: bool = False) -> PipelinePlan:
+                  strict: bool = False, meshes=None) -> PipelinePlan:
     """The fastest pipeline plan over ``stages`` (an int, a list, or None: every divisor of the
     outer mesh dim from 2 up, at most the layer count), ``micro_batches`` (an int, a list, or
     None: p and 4p where they divide the batch) and ``schedules`` (module docstring); interleaved
     uses ``virtual`` chunks per rank. ``roles``: a hand layout inside each stage
     (:mod:`autoshard.planning.roles`, one per dim of the cluster's mesh; a dim a stage has one
     device of drops its role), else the free plan.
+
+    ``meshes`` (as for :func:`autoshard.plan`: "auto", "auto-2d" or a list of shapes): also cut
+    the outer dim of each of those logical meshes into stages, so the grid that carries the
+    stages is chosen too (a pruned 3-D grid keeps its data-parallel outer dim inside each stage);
+    ``plan.mesh_shape`` records the one chosen. Default: the cluster's own mesh.
+
     ``plan.stats["candidates"]`` lists every candidate's step time (None: no plan;
     ``stats["errors"]`` says why; ``stats["stopped"]``: those whose solve stopped at
     ``time_limit``, priced at the plan it had then). Raises InfeasibleError when no candidate fits,
     SolverError when none has a plan and some were not solved within ``time_limit``."""
+    from autoshard.planning.meshes import DATA_NAMES, grids
+
     start = time.perf_counter()
     _, _, stack = repeated_module(model)
     n_layers = len(stack)
@@ -378,44 +390,62 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
     schedules = [schedules] if isinstance(schedules, str) else list(schedules)
     for name in schedules:
         held(name, 1, 1, 0)   # an unknown name is refused before anything is solved
-    p_list = ([stages] if isinstance(stages, int) else list(stages) if stages is not None
-              else [d for d in divisors(cluster.mesh_shape[0]) if 2 <= d <= n_layers])
+    if meshes is not None and roles is not None:
+        raise ConstraintError("roles name the dims of the cluster's own mesh: give them with meshes=None, or drop "
+                              "them to plan each logical mesh's stages freely")
+    own = (tuple(cluster.mesh_shape), tuple(cluster.mesh_dim_names))
     best, tried, why, solves, stopped = None, {}, {}, {}, []
-    for p in p_list:
-        stage, stage_roles = stage_cluster(cluster, p, roles)
-        m_list = ([micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
-                  if micro_batches is not None else [m for m in (p, 4 * p) if batch % m == 0])
-        if not m_list:
-            tried[f"pp{p}"], why[f"pp{p}"] = None, f"neither {p} nor {4 * p} micro-batches divide the batch of {batch}"
-        for m in m_list:
-            inputs = micro_batch(example_inputs, m)
-            for schedule in schedules:
-                v = virtual if schedule == "interleaved" else 1
-                key = f"pp{p} m{m} {schedule}{f' v{v}' if v > 1 else ''}"
-                if schedule == "interleaved" and (m % p or n_layers < p * v):
-                    tried[key], why[key] = None, f"interleaved needs m divisible by p and at least {p * v} layers"
-                    continue
-                try:
-                    candidate = _price(model, inputs, cluster, stage, p, m, schedule, v, n_layers, limit,
-                                       dict(recompute=recompute, time_limit=time_limit, roles=stage_roles,
-                                            strict=strict), solves)
-                    candidate.roles = None if roles is None else list(roles)
-                except (InfeasibleError, SolverError, CutoffError) as exc:
-                    tried[key], why[key] = None, f"{failure(exc)}: {exc}"
-                    continue
-                except ConstraintError as exc:   # this candidate cannot be cut so: the others may
-                    tried[key], why[key] = None, str(exc)
-                    continue
-                tried[key] = candidate.step_time
-                if candidate.stage_plan.solver["status"] != "optimal":   # stopped by time_limit (warned)
-                    stopped.append(key)
-                if best is None or candidate.step_time < best.step_time:
-                    best = candidate
+    for shape, names in ([own] if meshes is None else grids(cluster, meshes)):
+        grid = cluster if (shape, names) == own else cluster.with_mesh(shape, names)
+        grid_roles = ("data", "free", "free") if names == DATA_NAMES else roles
+        prefix = "" if meshes is None else f"{shape} "
+        p_list = ([stages] if isinstance(stages, int) else list(stages) if stages is not None
+                  else [d for d in divisors(shape[0]) if 2 <= d <= n_layers])
+        for p in p_list:
+            try:
+                stage, stage_roles = stage_cluster(grid, p, grid_roles)
+            except ConstraintError as exc:
+                if meshes is None:   # the one mesh: its error names the stage counts that work
+                    raise
+                tried[f"{prefix}pp{p}"], why[f"{prefix}pp{p}"] = None, str(exc)
+                continue
+            m_list = ([micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
+                      if micro_batches is not None else [m for m in (p, 4 * p) if batch % m == 0])
+            if not m_list:
+                tried[f"{prefix}pp{p}"] = None
+                why[f"{prefix}pp{p}"] = f"neither {p} nor {4 * p} micro-batches divide the batch of {batch}"
+            for m in m_list:
+                inputs = micro_batch(example_inputs, m)
+                for schedule in schedules:
+                    v = virtual if schedule == "interleaved" else 1
+                    key = f"{prefix}pp{p} m{m} {schedule}{f' v{v}' if v > 1 else ''}"
+                    if schedule == "interleaved" and (m % p or n_layers < p * v):
+                        tried[key], why[key] = None, f"interleaved needs m divisible by p and at least {p * v} layers"
+                        continue
+                    try:
+                        candidate = _price(model, inputs, grid, stage, p, m, schedule, v, n_layers, limit,
+                                           dict(recompute=recompute, time_limit=time_limit, roles=stage_roles,
+                                                strict=strict), solves)
+                    except (InfeasibleError, SolverError, CutoffError) as exc:
+                        tried[key], why[key] = None, f"{failure(exc)}: {exc}"
+                        continue
+                    except ConstraintError as exc:   # this candidate cannot be cut so: the others may
+                        tried[key], why[key] = None, str(exc)
+                        continue
+                    candidate.roles = None if grid_roles is None else list(grid_roles)
+                    candidate.mesh_shape, candidate.mesh_dim_names = shape, names
+                    tried[key] = candidate.step_time
+                    if candidate.stage_plan.solver["status"] != "optimal":   # stopped by time_limit (warned)
+                        stopped.append(key)
+                    if best is None or candidate.step_time < best.step_time:
+                        best = candidate
     if best is None:
         tried_all = ", ".join(f"{k} ({why.get(k)})" for k in tried)
         if any(w.startswith(("time_limit", "solver_error")) for w in why.values()):
             raise SolverError(f"no pipeline plan found: some candidates were not solved within time_limit="
                               f"{time_limit:g}s or failed in the solver; tried {tried_all}")
+        if all(not w.startswith("infeasible") for w in why.values()):
+            raise ConstraintError(f"no pipeline candidate can be cut from these meshes; tried {tried_all}")
         raise InfeasibleError(f"no pipeline plan fits {limit / 2**30:.2f} GiB per device; tried {tried_all}")
     best.stats.update(candidates=tried, errors=why, stopped=stopped, solves=len(solves),
                       total_s=time.perf_counter() - start)
@@ -444,7 +474,7 @@ def _price(model, inputs, cluster: Cluster, stage: Cluster, p, m, schedule, v, n
     hold = [held(schedule, p, m, s, v) for s in range(p)]
     k = max(2, math.ceil(n_layers / p))   # two copies at least: one layer alone shows no period
     while True:   # solve for k layers; again with more if balancing gave a stage more
-        key = (p, m, hold[0], hold[-1], k)
+        key = (stage.to_json(), options["roles"], m, hold[0], hold[-1], k)   # grids can share a stage
         if key not in solves:
             solves[key] = _stage_plan(model, inputs, stage, k, m, hold, limit, options)
         traced, sp = solves[key]
@@ -455,7 +485,10 @@ def _price(model, inputs, cluster: Cluster, stage: Cluster, p, m, schedule, v, n
         k = max(counts)
     times, once = zip(*(split.of(n, s == 0, s == p - 1) for s, n in enumerate(counts)))
     link = cluster.links[0]   # consecutive stages differ in the outer mesh dim
-    send = link.latency + boundary_bytes(sp, traced) / link.effective_bandwidth
+    whole, size = boundary_bytes(traced), math.prod(stage.mesh_shape)
+    # each rank sends its 1/S piece over the link; the receiving stage gathers them (module docstring)
+    send = link.latency + whole / size / link.effective_bandwidth + \
+        stage.collective_time("all_gather", whole, list(range(stage.ndim)))
     sends = (m * v + p - 1) * 2 * send
     idle = bubble(schedule, p, v) * max(times)
     return PipelinePlan(stages=p, virtual=v, micro_batches=m, schedule=schedule, layers=counts,

@@ -3,18 +3,19 @@ stages, each a compiled module on its stage's devices.
 
 The model is cut into p x v stage programs at the first layer of each stage
 (``torch.distributed.pipelining.pipeline``, which traces the model's forward and keeps every
-parameter's name). Rank coordinates: the outer mesh dim of N becomes (p, N/p); stage program j runs
+parameter's name). Rank coordinates: the outer dim of N of the plan's mesh (the cluster's, or the
+logical grid it was planned on) becomes (p, N/p); stage program j runs
 on the ranks of pipeline coordinate j mod p (torch's loop order: interleaved gives each rank v of
-them), on a sub-mesh of N/p x the inner dims. Each stage program is planned by the ILP on that
-sub-mesh (its held micro-batches from the schedule, its gradients accumulated over the m
+them), on a sub-mesh of N/p x the inner dims. Each stage program is planned once, by one rank of
+its stage (the stages in parallel, the plans then all-gathered), by the ILP on that sub-mesh (its held micro-batches from the schedule, its gradients accumulated over the m
 micro-batches) and built as a :class:`~autoshard.runtime.module.DistributedModule`: DTensor
 parameters (plain tensors on a stage of one device) under the model's names, gradients reduced
 to storage once per step.
 
-Between stages travel full tensors: a stage hands on its outputs in full, identical on every rank
-of its sub-mesh (as a compiled module returns them), rank (s, i) to rank (s + 1, i); the receiver
-cuts its piece, and gives back the gradient of the full input (its pieces' gradients gathered,
-DTensor's autograd). Inputs of the model that a later stage reads (the targets, for the loss)
+Between stages travel pieces: a stage's outputs are whole and alike on every rank of its sub-mesh
+(as a compiled module returns them); rank (s, i) sends only the i-th of S flat pieces to rank
+(s + 1, i), and the receiving stage gathers them over its own group (:class:`_Hand`). Gradients
+come back the same way. Inputs of the model that a later stage reads (the targets, for the loss)
 do not travel: every rank has the global batch, and a stage takes the micro-batch it is on.
 
 Every rank calls :meth:`PipelineModule.step` with the global batch; it runs the schedule's
@@ -155,34 +156,103 @@ class _Route:
         return [self.position(value, j - 1) for value in self.passes[j]]
 
 
+def _piece(t: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    """The ``index``-th of ``size`` equal pieces of ``t`` flattened (the last padded with zeros)."""
+    flat = t.reshape(-1)
+    n = -(-flat.numel() // size)
+    if n * size != flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(n * size - flat.numel())])
+    return flat[index * n:(index + 1) * n].clone()
+
+
+def _whole(piece: torch.Tensor, shape, group) -> torch.Tensor:
+    """Every rank's piece of ``group``, in rank order, back to the full tensor of ``shape``."""
+    out = piece.new_empty(piece.numel() * dist.get_world_size(group))
+    _torch.all_gather_flat(out, piece.contiguous(), group)
+    return out[:math.prod(shape)].reshape(shape)
+
+
+class _Scatter(torch.autograd.Function):
+    """What rank i of a stage sends on: the i-th piece of an output every rank of the stage holds
+    whole; the pieces' gradients come back and are gathered into the whole one's."""
+
+    @staticmethod
+    def forward(ctx, t, hand):
+        ctx.shape, ctx.hand = t.shape, hand
+        return _piece(t, hand.index, hand.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _whole(grad, ctx.shape, ctx.hand.group), None
+
+
+class _Gather(torch.autograd.Function):
+    """What rank i of the next stage receives, its piece, gathered over the stage into the whole
+    tensor; the whole gradient (alike on every rank of the stage) goes back as its i-th piece."""
+
+    @staticmethod
+    def forward(ctx, piece, shape, hand):
+        ctx.hand = hand
+        return _whole(piece, shape, hand.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _piece(grad, ctx.hand.index, ctx.hand.size), None, None
+
+
+class _Hand:
+    """How a stage's ranks split what crosses a stage boundary (Megatron's scatter-gather): rank i
+    of S sends and receives only the i-th of S pieces over the pipeline's link, and the stage's
+    own (faster) group gathers them. ``size`` 1: whole tensors, nothing gathered."""
+
+    def __init__(self, group, index: int, size: int):
+        self.group, self.index, self.size = group, index, size
+
+    def send(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.size == 1 else _Scatter.apply(t, self)
+
+    def receive(self, piece: torch.Tensor, shape) -> torch.Tensor:
+        return piece if self.size == 1 else _Gather.apply(piece, tuple(shape), self)
+
+    def meta(self, t: torch.Tensor) -> torch.Tensor:
+        """What travels for ``t`` (a tensor of its shape and dtype), as torch's stage is told."""
+        n = t.numel() if self.size == 1 else -(-t.numel() // self.size)
+        return _meta(t if self.size == 1 else torch.empty(n, dtype=t.dtype, device="meta"), True)
+
+
 class _Stage(nn.Module):
-    """One stage program as torch's PipelineStage calls it: the received tensors (or, first, the
-    model inputs it reads) in, its outputs in full, then what it passes on, out. The model inputs
-    a later stage reads come from the micro-batch it is on (``feed``); forwards on a stage run in
-    micro-batch order under every schedule here."""
+    """One stage program as torch's PipelineStage calls it: the received pieces (or, first, the
+    model inputs it reads) in, gathered whole (``hand``); its outputs and what it passes on out,
+    each as this rank's piece. The model inputs a later stage reads come from the micro-batch it
+    is on (``feed``); forwards on a stage run in micro-batch order under every schedule here."""
 
     def __init__(self, body: DistributedModule, sources: list[tuple[str, int]], passed: list[int], first: bool,
-                 last: bool):
+                 last: bool, hand: _Hand, shapes: list):
         super().__init__()
         self.body = body
         self.sources = sources
         self.passed = passed
         self.first, self.last = first, last
+        self.__dict__["hand"] = hand
+        self.shapes = shapes   # the whole shape of each received tensor
         self.__dict__["feed"] = []   # per micro-batch: the model's inputs (set by PipelineModule.step)
         self.calls = 0
 
     def forward(self, *received):
         chunk = self.__dict__["feed"][self.calls]
         self.calls += 1
+        hand = self.__dict__["hand"]
         if self.first:   # the schedule hands stage 0 the model inputs it reads, in order
             args = list(received)
         else:
-            args = [chunk[k] if kind == "root" else received[k] for kind, k in self.sources]
+            args = [chunk[k] if kind == "root" else hand.receive(received[k], self.shapes[k])
+                    for kind, k in self.sources]
         out = self.body(*self.body.shard_inputs(*args))
-        # torch's schedule concatenates the last stage's outputs over micro-batches: a loss of one element
-        out = (out.reshape(1) if self.last else out,) if isinstance(out, torch.Tensor) else tuple(out)
-        # passed on as copies: torch's stage may reuse its receive buffers for the next micro-batch
-        out = out + tuple(received[k].clone() for k in self.passed)
+        out = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        if self.last:   # torch's schedule concatenates the losses over micro-batches: one element each
+            return out[0].reshape(1)
+        # passed on as copies of the pieces: torch's stage may reuse its receive buffers
+        out = tuple(hand.send(t) for t in out) + tuple(received[k].clone() for k in self.passed)
         return out[0] if len(out) == 1 else out
 
 
@@ -324,13 +394,17 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     from autoshard.planning.roles import allow_for
 
     p, v, m = plan.stages, plan.virtual, plan.micro_batches
-    layout = (p, v, m, plan.schedule, list(plan.layers))
+    layout = (p, v, m, plan.schedule, list(plan.layers), plan.mesh_shape and list(plan.mesh_shape))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, layout)
     if any(other != layout for other in every):
         raise RuntimeMismatchError(f"the ranks were given different pipeline plans (stages, virtual, micro-batches, "
-                                   f"schedule, layers): {sorted(set(map(str, every)))}; plan once (on one rank) "
+                                   f"schedule, layers, mesh): {sorted(set(map(str, every)))}; plan once (on one rank) "
                                    "and give every rank that plan")
+    if plan.mesh_shape is not None and tuple(plan.mesh_shape) != tuple(cluster.mesh_shape) \
+            and math.prod(plan.mesh_shape) == cluster.world_size:
+        # stages cut a logical mesh of the same devices (plan_pipeline's meshes): run on that grid
+        cluster = cluster.with_mesh(tuple(plan.mesh_shape), tuple(plan.mesh_dim_names))
     stage, roles = stage_cluster(cluster, p, plan.roles)
     if tuple(stage.mesh_shape) != tuple(plan.stage_mesh):
         raise RuntimeMismatchError(f"the pipeline plan's stage mesh is {tuple(plan.stage_mesh)}; this cluster's "
@@ -353,10 +427,14 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     def hold(j):
         return held(plan.schedule, p, m, j % p, v)
 
-    def prepared(j):
-        # received activations take gradients, sent back to the stage before
-        traced = trace(pipe.get_stage_module(j), examples[j], device=device, input_grads=True)
-        return prepare(traced, stage, examples[j], strict)
+    traces: dict[int, tuple] = {}
+
+    def prepared(j):   # once per program: its plan and its module are built from one trace
+        if j not in traces:
+            # received activations take gradients, sent back to the stage before
+            traced = trace(pipe.get_stage_module(j), examples[j], device=device, input_grads=True)
+            traces[j] = prepare(traced, stage, examples[j], strict)
+        return traces[j]
 
     def stage_plan(j):
         traced, fallbacks, gaps = prepared(j)
@@ -366,35 +444,43 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
                                          grad_accumulation=m, held_batches=hold(j), held_head=hold(j))
         return price(traced, stage, problem, solution, fallbacks, gaps, limit)
 
-    # rank 0 plans every stage program and every rank runs its plans: ranks never disagree on a tie
-    box = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [[stage_plan(j).to_json() for j in range(p * v)]]
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
-            box = [exc]
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    plans = {j: Plan.from_json(text) for j, text in enumerate(box[0])}
-
+    # Each program is planned once, by one rank of the stage that runs it (a stage's v programs
+    # spread over its ranks), the stages in parallel; every rank then runs the plans it is
+    # sent, so the ranks of a stage never disagree on a tie.
     sub = mesh[tuple(stage.mesh_dim_names)]
+    place = sum(c * math.prod(sub.mesh.shape[d + 1:]) for d, c in enumerate(sub.get_coordinate()))
+    texts: dict[int, str] | Exception = {}
+    try:
+        texts = {j: stage_plan(j).to_json() for j in mine if (j // p) % sub.size() == place}
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
+        texts = exc
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, texts)
+    failed = next((e for e in every if isinstance(e, Exception)), None)
+    if failed is not None:
+        raise failed
+    plans = {j: Plan.from_json(text) for d in every for j, text in d.items()}
+
+    # each stage's own group, for the pieces of what crosses its boundaries (every rank makes every one)
+    groups = [dist.new_group(mesh.mesh[c].flatten().tolist()) for c in range(p)] if sub.size() > 1 else [None] * p
+    hand = _Hand(groups[coordinate], place, sub.size())
     stages, pipeline_stages = [], []
     for j in mine:
         program = pipe.get_stage_module(j)
         traced, _, _ = prepared(j)
         plans[j].check_matches(traced.fingerprint, stage.to_json(), plans[j].backend)
         body = build(program, traced, plans[j], stage, device, None, m, mesh=sub)
-        wrapped = _Stage(body, route.inputs(j), route.passed(j), first=j == 0, last=j == p * v - 1)
-        stages.append(wrapped)
-        sent = [values[(j, k)] for k in range(route.own[j])] + [values[x] for x in route.passes[j]]
-        outs = [sent[0].reshape(1)] if j == p * v - 1 else sent   # the loss as _Stage hands it on
         received = examples[0] if j == 0 else [values[(j - 1, k)] for k in range(route.own[j - 1])] + \
             [values[x] for x in route.passes[j - 1]]
+        wrapped = _Stage(body, route.inputs(j), route.passed(j), first=j == 0, last=j == p * v - 1, hand=hand,
+                         shapes=[tuple(a.shape) for a in received])
+        stages.append(wrapped)
+        sent = [values[(j, k)] for k in range(route.own[j])] + [values[x] for x in route.passes[j]]
+        outs = [_meta(sent[0].reshape(1), True)] if j == p * v - 1 else [hand.meta(o) for o in sent]
         pipeline_stages.append(PipelineStage(
             wrapped, j, p * v, device,
-            input_args=tuple(_meta(a, j > 0) for a in received), output_args=tuple(_meta(o, True) for o in outs),
-            group=mesh.get_group(pp)))
+            input_args=tuple(_meta(a, False) for a in received) if j == 0 else tuple(hand.meta(a) for a in received),
+            output_args=tuple(outs), group=mesh.get_group(pp)))
 
     def loss_fn(output, target):   # the last program's output is the model's loss already
         return output.sum()
