@@ -117,7 +117,7 @@ def _with_stages(model, cluster: Cluster, example_inputs, stages, options: dict)
 
     if isinstance(model, TracedModel):
         raise ConstraintError("pipeline stages cut the model's layers: pass the nn.Module, not a traced model")
-    defaults = dict(constraints=None, allow=None, mixed_precision=None, cutoff=None, moe_capacity=None,
+    defaults = dict(constraints=None, allow=None, cutoff=None, moe_capacity=None,
                     grad_accumulation=1, backend="eager", moe_imbalance=1.0)
     pinned = {k for k, v in defaults.items() if options[k] != v}
     if pinned:
@@ -132,7 +132,7 @@ def _with_stages(model, cluster: Cluster, example_inputs, stages, options: dict)
         results.append(plan_pipeline(model, cluster, example_inputs, stages=None if stages == "auto" else stages,
                                      memory_limit=options["memory_limit"], recompute=options["recompute"],
                                      time_limit=options["time_limit"], strict=options["strict"],
-                                     meshes=options["meshes"]))
+                                     meshes=options["meshes"], mixed_precision=options["mixed_precision"]))
     except (InfeasibleError, SolverError, ConstraintError) as exc:   # no layers to cut, too: the flat plan stands
         errors["pipeline"] = exc
     if not results:
@@ -240,8 +240,8 @@ def _compile_pipeline(model, cluster, example_inputs, plan, mixed_precision, gra
                       time_limit, strict):
     from autoshard.runtime.pipeline import build_pipeline
 
-    if mixed_precision is not None or grad_accumulation not in (None, 1) or backend not in (None, "eager"):
-        raise ConstraintError("a pipeline plan runs in the model's dtype, eagerly, its micro-batches accumulated "
-                              "by its schedule: drop mixed_precision, grad_accumulation and backend, or plan "
-                              "without stages")
-    return build_pipeline(model, cluster, example_inputs, plan, _device(model), time_limit=time_limit, strict=strict)
+    if grad_accumulation not in (None, 1) or backend not in (None, "eager"):
+        raise ConstraintError("a pipeline plan runs eagerly, its micro-batches accumulated by its schedule: drop "
+                              "grad_accumulation and backend, or plan without stages")
+    return build_pipeline(model, cluster, example_inputs, plan, _device(model), time_limit=time_limit, strict=strict,
+                          mixed_precision=mixed_precision)

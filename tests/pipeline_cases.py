@@ -19,6 +19,7 @@ import autoshard
 import autoshard.runtime.checkpoint as ckpt
 from autoshard.planning.baselines import plan_baseline
 from autoshard.planning.pipeline import plan_pipeline
+from autoshard.precision import cast_module
 from autoshard.zoo import Llama, LlamaConfig
 
 CONFIG = LlamaConfig(layers=4, heads=4, kv_heads=2)
@@ -35,9 +36,14 @@ def _gap(module, reference: dict, grads: bool = False) -> float:
                for name, p in module.named_parameters())
 
 
+def _policy(kind: str):
+    """bf16 compute over fp32 master weights for the "-bf16" kinds."""
+    return autoshard.MixedPrecision(torch.bfloat16) if kind.endswith("-bf16") else None
+
+
 def _model(seed: int, kind: str = "llama"):
     torch.manual_seed(seed)
-    if kind == "llama":
+    if kind.startswith("llama"):
         return Llama(CONFIG)
     # model code autoshard did not write: transformers' Qwen2 from a config
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -54,14 +60,15 @@ def _pipeline(seed: int, batch, schedule: str, roles, kind: str = "llama"):
     model = _model(seed, kind)
     # transformers' model: its stages cut the logical mesh (4,) of the same ranks, not the (2, 2) given
     plan = plan_pipeline(model, cluster, batch, stages=2, micro_batches=4, schedules=(schedule,), roles=roles,
-                         time_limit=60, meshes=[(4,)] if kind == "qwen2" else None)
-    return autoshard.compile(model, cluster, batch, plan=plan)
+                         time_limit=60, meshes=[(4,)] if kind == "qwen2" else None, mixed_precision=_policy(kind))
+    return autoshard.compile(model, cluster, batch, plan=plan, mixed_precision=_policy(kind))
 
 
 def run_case(schedule: str, roles, checkpoint_dir: str | None, kind: str = "llama") -> dict:
     batch = tuple(torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
     reference = _model(0, kind)
-    loss_ref = reference(*batch)
+    run = cast_module(reference, _policy(kind))   # the single-device step under the same policy
+    loss_ref = run(*batch)
     loss_ref.backward()
     grads_ref = {n: p.grad.clone() for n, p in reference.named_parameters()}
     with torch.no_grad():
@@ -72,7 +79,9 @@ def run_case(schedule: str, roles, checkpoint_dir: str | None, kind: str = "llam
     pm = _pipeline(0, batch, schedule, roles, kind)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     loss = pm.step(*batch)
-    out = {"loss": abs(loss.item() - loss_ref.item()), "grad": _gap(pm, grads_ref, grads=True)}
+    out = {"loss": abs(loss.item() - loss_ref.item()), "grad": _gap(pm, grads_ref, grads=True),
+           "loss_ref": loss_ref.item(), "largest_grad": max(g.abs().max().item() for g in grads_ref.values()),
+           "policy": pm.plan.mixed_precision, "loss_dtype": str(loss.dtype)}
     opt.step()
     out.update(param=_gap(pm, params_ref), names=sorted(n for n, _ in pm.named_parameters()),
                is_dtensor=all(isinstance(p, DTensor) for p in pm.parameters()),
@@ -80,16 +89,23 @@ def run_case(schedule: str, roles, checkpoint_dir: str | None, kind: str = "llam
                mesh=pm.plan.mesh_shape, pieces=pm.__dict__["_stages"][0].__dict__["hand"].size, stage_dims=sorted({p.device_mesh.mesh_dim_names for p in pm.parameters()}))
     # a second step from the same batch: the accumulation counters restart every step
     reference.zero_grad()
-    reference(*batch).backward()
+    run(*batch).backward()
     opt.zero_grad()
     pm.step(*batch)
     out["grad2"] = _gap(pm, {n: p.grad for n, p in reference.named_parameters()}, grads=True)
     # the norm over every stage's gradients, as the whole model's (nothing clipped at this bound)
-    out["norm"] = abs(pm.clip_grad_norm_(1e9).item() - torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item())
+    norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item()
+    out["norm"] = abs(pm.clip_grad_norm_(1e9).item() - norm_ref) / norm_ref
     try:   # every rank refuses a batch of another shape: none waits on a stage that raised
         pm.step(*(x[:4] for x in batch))
     except autoshard.errors.RuntimeMismatchError as exc:
         out["wrong_batch"] = str(exc)
+    if _policy(kind) is not None:   # the plan runs under its own policy only: every rank refuses another
+        try:
+            autoshard.compile(_model(0, kind), autoshard.Cluster.local(dist.get_world_size(), (2, 2)), batch,
+                              plan=pm.plan)
+        except autoshard.errors.PlanMismatchError as exc:
+            out["policy_error"] = str(exc)
     if checkpoint_dir is None:
         return out
 

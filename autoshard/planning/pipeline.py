@@ -208,6 +208,7 @@ class PipelinePlan:
     roles: list[str] | None = None      # the hand layout inside each stage (one per mesh dim), if any
     mesh_shape: tuple | None = None     # the (logical) mesh whose outer dim the stages cut; None: the cluster's
     mesh_dim_names: tuple | None = None
+    mixed_precision: str | None = None  # the policy's key (MixedPrecision.key()) the stages compute under
     stats: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -225,17 +226,19 @@ class PipelinePlan:
         if not isinstance(d, dict) or d.pop("kind", None) != "pipeline":
             raise PlanError("not a pipeline plan file: write one with PipelinePlan.to_json()")
         fields = set(cls.__dataclass_fields__) - {"stats"}
-        optional = {"mesh_shape", "mesh_dim_names"}   # files written before grids were chosen: the cluster's
+        # files from before grids and policies: the cluster's mesh, no policy
+        optional = {"mesh_shape", "mesh_dim_names", "mixed_precision"}
         if set(d) - fields or fields - optional - set(d):
             raise PlanError(f"pipeline plan file: fields {sorted((set(d) ^ fields) - optional)} missing or unknown")
         d["stage_plan"] = Plan.from_json(json.dumps(d["stage_plan"]))
         d["stage_mesh"] = tuple(d["stage_mesh"])
-        for k in optional:
+        for k in ("mesh_shape", "mesh_dim_names"):
             d[k] = None if d.get(k) is None else tuple(d[k])
         return cls(**d)
 
     def summary(self) -> str:
         over = f" over mesh {tuple(self.mesh_shape)}" if self.mesh_shape is not None else ""
+        over += f" ({self.mixed_precision})" if self.mixed_precision else ""
         return (f"PP {self.stages}{f' x {self.virtual} virtual' if self.virtual > 1 else ''}{over}, {self.schedule}, "
                 f"{self.micro_batches} micro-batches, layers {self.layers}, stage mesh {self.stage_mesh}: "
                 f"{self.step_time * 1e3:.1f} ms/step (bubble {self.bubble_time * 1e3:.1f} ms, sends "
@@ -363,7 +366,7 @@ def boundary_bytes(traced) -> float:
 def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro_batches=None,
                   schedules=("1f1b", "interleaved"), virtual: int = 2, memory_limit: float | None = None,
                   recompute=True, time_limit: float = 120.0, roles: tuple[str, ...] | None = None,
-                  strict: bool = False, meshes=None) -> PipelinePlan:
+                  strict: bool = False, meshes=None, mixed_precision=None) -> PipelinePlan:
     """The fastest pipeline plan over ``stages`` (an int, a list, or None: every divisor of the
     outer mesh dim from 2 up, at most the layer count), ``micro_batches`` (an int, a list, or
     None: p and 4p where they divide the batch) and ``schedules`` (module docstring); interleaved
@@ -375,6 +378,8 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
     the outer dim of each of those logical meshes into stages, so the grid that carries the
     stages is chosen too (a pruned 3-D grid keeps its data-parallel outer dim inside each stage);
     ``plan.mesh_shape`` records the one chosen. Default: the cluster's own mesh.
+    ``mixed_precision`` (a :class:`~autoshard.MixedPrecision`): every stage computes under it, and
+    what crosses a boundary is in its ``param_dtype``; the plan runs only under that policy.
 
     ``plan.stats["candidates"]`` lists every candidate's step time (None: no plan;
     ``stats["errors"]`` says why; ``stats["stopped"]``: those whose solve stopped at
@@ -425,7 +430,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
                     try:
                         candidate = _price(model, inputs, grid, stage, p, m, schedule, v, n_layers, limit,
                                            dict(recompute=recompute, time_limit=time_limit, roles=stage_roles,
-                                                strict=strict), solves)
+                                                strict=strict, mixed_precision=mixed_precision), solves)
                     except (InfeasibleError, SolverError, CutoffError) as exc:
                         tried[key], why[key] = None, f"{failure(exc)}: {exc}"
                         continue
@@ -434,6 +439,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
                         continue
                     candidate.roles = None if grid_roles is None else list(grid_roles)
                     candidate.mesh_shape, candidate.mesh_dim_names = shape, names
+                    candidate.mixed_precision = None if mixed_precision is None else mixed_precision.key()
                     tried[key] = candidate.step_time
                     if candidate.stage_plan.solver["status"] != "optimal":   # stopped by time_limit (warned)
                         stopped.append(key)
@@ -460,9 +466,10 @@ def _stage_plan(model, inputs, stage: Cluster, k: int, m: int, hold: list[float]
     from autoshard.planning.pricing import price
     from autoshard.planning.roles import allow_for
 
+    policy = options.get("mixed_precision")
     with cut_to(model, k) as cut:
-        traced = trace(cut, inputs)
-    traced, fallbacks, gaps = prepare(traced, stage, inputs, options["strict"])
+        traced = trace(cut, inputs, mixed_precision=policy)
+    traced, fallbacks, gaps = prepare(traced, stage, inputs, options["strict"], policy)
     allow = allow_for(traced, options["roles"]) if options["roles"] is not None else None
     problem, solution, limit = solve(traced, stage, None, limit, options["recompute"], options["time_limit"],
                                      allow=allow, grad_accumulation=m, held_batches=max(hold), held_head=hold[-1])

@@ -36,9 +36,10 @@ from torch.distributed.tensor import DTensor
 
 from autoshard import _torch
 from autoshard.cluster import Cluster
-from autoshard.errors import ConstraintError, RuntimeMismatchError, TraceError
+from autoshard.errors import ConstraintError, PlanMismatchError, RuntimeMismatchError, TraceError
 from autoshard.planning.pipeline import PipelinePlan, held, micro_batch, repeated_module, stage_cluster
 from autoshard.planning.plan import Plan
+from autoshard.precision import MixedPrecision, cast_module
 from autoshard.runtime.module import DistributedModule, _register
 
 
@@ -50,9 +51,12 @@ def stage_layers(plan: PipelinePlan) -> list[int]:
     return [chunks[j % p][j // p] for j in range(p * v)]
 
 
-def _cut(model: nn.Module, counts: list[int], example_inputs):
+def _cut(model: nn.Module, counts: list[int], example_inputs, policy: MixedPrecision | None = None):
     """The model's forward cut into len(counts) programs of ``counts`` repeated layers each: torch's
-    ``Pipe``, whose ``split_gm`` wires the programs."""
+    ``Pipe``, whose ``split_gm`` wires the programs. Under ``policy`` the forward is exported with
+    its parameters in ``param_dtype`` (put back after): the export fixes every ``x.dtype`` the
+    code reads (a rotary table cast to the activations' dtype), and the programs then run on
+    activations of that dtype."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     parent, attr, stack = repeated_module(model)
@@ -62,15 +66,28 @@ def _cut(model: nn.Module, counts: list[int], example_inputs):
         raise ConstraintError(f"the pipeline plan places {sum(counts)} layers; the model has {len(names)}")
     starts = [sum(counts[:j]) for j in range(1, len(counts))]
     spec = {".".join(x for x in (prefix, attr, names[i]) if x): SplitPoint.BEGINNING for i in starts}
+    own = {p: p.data for p in model.parameters()}
     try:
+        if policy is not None:
+            for p, data in own.items():
+                if data.is_floating_point():
+                    p.data = data.to(policy.param_dtype)
         pipe = pipeline(model, mb_args=tuple(example_inputs), split_spec=spec)
     except Exception as exc:  # noqa: BLE001 - re-raised typed
         raise TraceError(f"torch.distributed.pipelining could not cut {type(model).__name__} into "
                          f"{len(counts)} stages at {sorted(spec)}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        for p, data in own.items():
+            p.data = data
     if pipe.num_stages != len(counts):
         raise TraceError(f"torch.distributed.pipelining cut {type(model).__name__} into {pipe.num_stages} "
                          f"stages, not {len(counts)}: its forward must call the layers in order")
     _untied_across(model, pipe)
+    cast = {n for j in range(pipe.num_stages) for n, p in pipe.get_stage_module(j).named_parameters()
+            if p not in own} if policy is not None else ()
+    if cast:   # a copy made while the parameters were cast would train in param_dtype
+        raise TraceError(f"torch.distributed.pipelining's programs hold copies of {sorted(cast)[:3]}, not the model's "
+                         "parameters: they would stay in the policy's dtype; plan this model without a policy")
     for j in range(pipe.num_stages):
         # the export's checks of dtype casts: they compute nothing, and would be traced as ops
         for part in pipe.get_stage_module(j).modules():   # the layers' graphs (unflattened), too
@@ -357,7 +374,7 @@ def _fake_outputs(program: nn.Module, args, device):
     return out if isinstance(out, tuple) else (out,)
 
 
-def _examples(pipe, wiring, mb: tuple, device) -> tuple[list[list], dict]:
+def _examples(pipe, wiring, mb: tuple, device, policy=None) -> tuple[list[list], dict]:
     """Each stage program's example inputs: the micro-batch's model inputs and, for values of
     earlier programs, zeros of their shapes (floating ones requiring grad); and every program's
     outputs as fake tensors, by (program, index)."""
@@ -371,7 +388,8 @@ def _examples(pipe, wiring, mb: tuple, device) -> tuple[list[list], dict]:
                 t = values[k]
                 args.append(torch.zeros(t.shape, dtype=t.dtype, device=device).requires_grad_(t.is_floating_point()))
         examples.append(args)
-        for k, out in enumerate(_fake_outputs(pipe.get_stage_module(j), args, device)):
+        # under a policy a program computes in its dtype, and hands that on
+        for k, out in enumerate(_fake_outputs(cast_module(pipe.get_stage_module(j), policy), args, device)):
             values[(j, k)] = out
     return examples, values
 
@@ -383,7 +401,8 @@ def _meta(t: torch.Tensor, grad: bool) -> torch.Tensor:
 
 
 def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: PipelinePlan, device: torch.device,
-                   *, time_limit: float = 120.0, strict: bool = False) -> PipelineModule:
+                   *, time_limit: float = 120.0, strict: bool = False,
+                   mixed_precision: MixedPrecision | None = None) -> PipelineModule:
     """This rank's :class:`PipelineModule` running ``plan`` (from
     :func:`~autoshard.planning.pipeline.plan_pipeline`) on ``cluster``; every rank calls it."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -394,13 +413,18 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     from autoshard.planning.roles import allow_for
 
     p, v, m = plan.stages, plan.virtual, plan.micro_batches
-    layout = (p, v, m, plan.schedule, list(plan.layers), plan.mesh_shape and list(plan.mesh_shape))
+    policy = None if mixed_precision is None else mixed_precision.key()
+    layout = (p, v, m, plan.schedule, list(plan.layers), plan.mesh_shape and list(plan.mesh_shape),
+              plan.mixed_precision, policy)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, layout)
     if any(other != layout for other in every):
         raise RuntimeMismatchError(f"the ranks were given different pipeline plans (stages, virtual, micro-batches, "
-                                   f"schedule, layers, mesh): {sorted(set(map(str, every)))}; plan once (on one rank) "
-                                   "and give every rank that plan")
+                                   f"schedule, layers, mesh, policies): {sorted(set(map(str, every)))}; plan once (on "
+                                   "one rank) and give every rank that plan and policy")
+    if plan.mixed_precision != policy:   # alike on every rank (checked above): every rank raises
+        raise PlanMismatchError(f"the pipeline plan was made for mixed_precision {plan.mixed_precision or 'none'}, "
+                                f"not {policy or 'none'}: compile with the policy it was planned under, or re-plan")
     if plan.mesh_shape is not None and tuple(plan.mesh_shape) != tuple(cluster.mesh_shape) \
             and math.prod(plan.mesh_shape) == cluster.world_size:
         # stages cut a logical mesh of the same devices (plan_pipeline's meshes): run on that grid
@@ -412,9 +436,9 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     mb = micro_batch(inputs, m)
     counts = stage_layers(plan)
-    pipe = _cut(model, counts, mb)
+    pipe = _cut(model, counts, mb, mixed_precision)
     wiring = _wiring(pipe.split_gm, len(counts))
-    examples, values = _examples(pipe, wiring, mb, device)
+    examples, values = _examples(pipe, wiring, mb, device, mixed_precision)
     last = [t for (i, _), t in values.items() if i == len(counts) - 1]
     if len(last) != 1 or last[0].dim() != 0 or not last[0].is_floating_point():
         raise ConstraintError(f"a pipeline's last stage hands the schedule the loss: {type(model).__name__}'s "
@@ -432,8 +456,9 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     def prepared(j):   # once per program: its plan and its module are built from one trace
         if j not in traces:
             # received activations take gradients, sent back to the stage before
-            traced = trace(pipe.get_stage_module(j), examples[j], device=device, input_grads=True)
-            traces[j] = prepare(traced, stage, examples[j], strict)
+            traced = trace(pipe.get_stage_module(j), examples[j], device=device, input_grads=True,
+                           mixed_precision=mixed_precision)
+            traces[j] = prepare(traced, stage, examples[j], strict, mixed_precision)
         return traces[j]
 
     def stage_plan(j):
@@ -469,7 +494,7 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
         program = pipe.get_stage_module(j)
         traced, _, _ = prepared(j)
         plans[j].check_matches(traced.fingerprint, stage.to_json(), plans[j].backend)
-        body = build(program, traced, plans[j], stage, device, None, m, mesh=sub)
+        body = build(program, traced, plans[j], stage, device, mixed_precision, m, mesh=sub)
         received = examples[0] if j == 0 else [values[(j - 1, k)] for k in range(route.own[j - 1])] + \
             [values[x] for x in route.passes[j - 1]]
         wrapped = _Stage(body, route.inputs(j), route.passed(j), first=j == 0, last=j == p * v - 1, hand=hand,
