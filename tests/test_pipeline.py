@@ -171,6 +171,11 @@ def test_a_stage_sends_its_hidden_state():
     hop = net.latency + whole / 8 / net.effective_bandwidth + 7 / 8 * whole / nvlink.effective_bandwidth \
         + 7 * nvlink.latency   # the ring all-gather over the 8 GPUs of a node
     assert pp.send_time == pytest.approx((2 + 1) * 2 * hop)
+    # under bf16 compute the hidden state crosses in bf16: half the bytes
+    policy = autoshard.MixedPrecision(torch.bfloat16)
+    traced, _ = pipeline._stage_plan(model, pipeline.micro_batch(inputs, 2), autoshard.Cluster.local(1), 2, 2,
+                                     [1.0, 1.0], float("inf"), dict(options, mixed_precision=policy))
+    assert pipeline.boundary_bytes(traced) == whole / 2
 
 
 def test_a_transformers_model_whose_layers_the_stages_do_not_divide():

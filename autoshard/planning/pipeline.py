@@ -346,14 +346,20 @@ def split_times(plan: Plan, copies: int) -> StageTimes:
 
 def boundary_bytes(traced) -> float:
     """Bytes of what the first repeated layer hands the second in forward (the hidden state), per
-    micro-batch, whole: what crosses a stage boundary each way."""
-    from autoshard.passes.annotate import tensor_bytes
+    micro-batch, whole: what crosses a stage boundary each way. Only forward values computed from
+    the batch count: one made from parameters or buffers alone (a cast of the rotary table) is the
+    receiver's to make, or was handed on before the layers."""
+    from autoshard.passes.annotate import META_KEY as COST_KEY, tensor_bytes
     from autoshard.passes.coarsen import LAYER_KEY
 
+    from_batch = set(traced.inputs)
     total = 0.0
     for node in traced.gm.graph.nodes:
+        if any(a in from_batch for a in node.all_input_nodes):
+            from_batch.add(node)
         layer = node.meta.get(LAYER_KEY)
-        if layer is None or layer[1] != 0 or not isinstance(node.meta.get("val"), torch.Tensor):
+        if layer is None or layer[1] != 0 or node not in from_batch or not isinstance(node.meta.get("val"), torch.Tensor) \
+                or node.meta[COST_KEY].phase != "fwd":
             continue
         if any((u.meta.get(LAYER_KEY) or (None, None))[1] == 1 for u in node.users):
             total += tensor_bytes(node.meta["val"])
