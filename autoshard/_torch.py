@@ -141,6 +141,11 @@ def default_group_options(device_type: str):
     return dist.group.WORLD._get_backend(torch.device(device_type)).options
 
 
+def default_group_timeout(device_type: str):
+    """The default process group's timeout (a timedelta), for groups made with ``new_group``."""
+    return default_group_options(device_type)._timeout
+
+
 def flop_formula(op) -> Callable[..., int] | None:
     """torch.utils.flop_counter's formula for an op overload (called with shapes), if any."""
     reg = flop_counter.flop_registry

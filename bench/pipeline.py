@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import autoshard
-from autoshard.errors import InfeasibleError, SolverError
+from autoshard.errors import ConstraintError, InfeasibleError, SolverError
 from autoshard.cluster.presets import ETHERNET_10G, PRESETS
 from autoshard.planning.baselines import plan_baseline
 from autoshard.planning.pipeline import PipelinePlan, plan_pipeline
@@ -108,7 +108,7 @@ def run(case: str, seq: int, time_limit: float, stages, meshes=None) -> list[dic
         start = time.perf_counter()
         try:
             p = job()
-        except (InfeasibleError, SolverError) as exc:
+        except (InfeasibleError, SolverError, ConstraintError) as exc:
             p = exc
         rows.append(dict(row_of(name, p, time.perf_counter() - start), case=case))
         print(json.dumps(rows[-1]), flush=True)

@@ -232,8 +232,11 @@ def _fsdp_tp_pp(model, cluster: Cluster, example_inputs, recompute, **kwargs):
     if stages < 2:
         raise InfeasibleError(f"fsdp_tp_pp needs an outer mesh dim of 2 or more to put stages on, not "
                               f"{tuple(cluster.mesh_shape)}")
-    return plan_pipeline(model, cluster, example_inputs, stages=stages, roles=("fsdp", "tp"), recompute=recompute,
-                         **kwargs)
+    try:
+        return plan_pipeline(model, cluster, example_inputs, stages=stages, roles=("fsdp", "tp"),
+                             recompute=recompute, **kwargs)
+    except ConstraintError as exc:   # a baseline this model or batch cannot express: as for the others
+        raise InfeasibleError(f"fsdp_tp_pp: {exc}") from exc
 
 
 def _has_experts(traced: TracedModel) -> bool:

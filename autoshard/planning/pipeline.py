@@ -18,7 +18,9 @@ intra-op plan (below). The step is
            = (p - 1) / v      interleaved 1F1B, v virtual stages (chunks of layers) per rank
     sends  = (m v + p - 1) * 2 * (alpha + a / (S beta) + G(a))
                                                     a micro-batch's activation forward and its
-                                                    gradient back, over the outer dim's link,
+                                                    gradient back, over the outer dim's link
+                                                    (its slowest: an upper bound on a grid
+                                                    whose stages lie inside a node),
                                                     not hidden: torch's schedules wait on each
                                                     receive before the compute that needs it
 
@@ -226,6 +228,8 @@ class PipelinePlan:
         if not isinstance(d, dict) or d.pop("kind", None) != "pipeline":
             raise PlanError("not a pipeline plan file: write one with PipelinePlan.to_json()")
         fields = set(cls.__dataclass_fields__) - {"stats"}
+        if ("mesh_shape" in d) != ("mesh_dim_names" in d):
+            raise PlanError("pipeline plan file: mesh_shape and mesh_dim_names come together")
         # files from before grids and policies: the cluster's mesh, no policy
         optional = {"mesh_shape", "mesh_dim_names", "mixed_precision"}
         if set(d) - fields or fields - optional - set(d):
@@ -390,7 +394,9 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
     ``plan.stats["candidates"]`` lists every candidate's step time (None: no plan;
     ``stats["errors"]`` says why; ``stats["stopped"]``: those whose solve stopped at
     ``time_limit``, priced at the plan it had then). Raises InfeasibleError when no candidate fits,
-    SolverError when none has a plan and some were not solved within ``time_limit``."""
+    SolverError when none has a plan and some were not solved within ``time_limit``, and
+    ConstraintError when none can be cut at all (micro-batch counts that do not divide the batch,
+    too few layers), naming each candidate's reason."""
     from autoshard.planning.meshes import DATA_NAMES, grids
 
     start = time.perf_counter()
@@ -408,7 +414,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
     best, tried, why, solves, stopped = None, {}, {}, {}, []
     for shape, names in ([own] if meshes is None else grids(cluster, meshes)):
         grid = cluster if (shape, names) == own else cluster.with_mesh(shape, names)
-        grid_roles = ("data", "free", "free") if names == DATA_NAMES else roles
+        grid_roles = ("data", "free", "free") if meshes is not None and names == DATA_NAMES else roles
         prefix = "" if meshes is None else f"{shape} "
         p_list = ([stages] if isinstance(stages, int) else list(stages) if stages is not None
                   else [d for d in divisors(shape[0]) if 2 <= d <= n_layers])
@@ -457,7 +463,9 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
             raise SolverError(f"no pipeline plan found: some candidates were not solved within time_limit="
                               f"{time_limit:g}s or failed in the solver; tried {tried_all}")
         if all(not w.startswith("infeasible") for w in why.values()):
-            raise ConstraintError(f"no pipeline candidate can be cut from these meshes; tried {tried_all}")
+            raise ConstraintError(f"no pipeline candidate can be cut; tried {tried_all}" if tried else
+                                  f"no stage count to try: give stages (from 2 up to the model's {n_layers} layers) "
+                                  f"that divide the outer mesh dim")
         raise InfeasibleError(f"no pipeline plan fits {limit / 2**30:.2f} GiB per device; tried {tried_all}")
     best.stats.update(candidates=tried, errors=why, stopped=stopped, solves=len(solves),
                       total_s=time.perf_counter() - start)

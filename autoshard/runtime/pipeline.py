@@ -27,6 +27,7 @@ torch.distributed.checkpoint saves a pipeline and loads it into any other plan, 
 from __future__ import annotations
 
 import math
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard import _torch
 from autoshard.cluster import Cluster
-from autoshard.errors import ConstraintError, PlanMismatchError, RuntimeMismatchError, TraceError
+from autoshard.errors import ConstraintError, PlanError, PlanMismatchError, RuntimeMismatchError, TraceError
 from autoshard.planning.pipeline import PipelinePlan, held, micro_batch, repeated_module, stage_cluster
 from autoshard.planning.plan import Plan
 from autoshard.precision import MixedPrecision, cast_module
@@ -240,7 +241,7 @@ class _Hand:
 class _Stage(nn.Module):
     """One stage program as torch's PipelineStage calls it: the received pieces (or, first, the
     model inputs it reads) in, gathered whole (``hand``); its outputs and what it passes on out,
-    each as this rank's piece. The model inputs a later stage reads come from the micro-batch it
+    each as this rank's piece (the last stage's: the loss, whole). The model inputs a later stage reads come from the micro-batch it
     is on (``feed``); forwards on a stage run in micro-batch order under every schedule here."""
 
     def __init__(self, body: DistributedModule, sources: list[tuple[str, int]], passed: list[int], first: bool,
@@ -415,12 +416,12 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     p, v, m = plan.stages, plan.virtual, plan.micro_batches
     policy = None if mixed_precision is None else mixed_precision.key()
     layout = (p, v, m, plan.schedule, list(plan.layers), plan.mesh_shape and list(plan.mesh_shape),
-              plan.mixed_precision, policy)
+              plan.mesh_dim_names and list(plan.mesh_dim_names), plan.roles, plan.mixed_precision, policy)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, layout)
     if any(other != layout for other in every):
         raise RuntimeMismatchError(f"the ranks were given different pipeline plans (stages, virtual, micro-batches, "
-                                   f"schedule, layers, mesh, policies): {sorted(set(map(str, every)))}; plan once (on "
+                                   f"schedule, layers, mesh, roles, policies): {sorted(set(map(str, every)))}; plan once (on "
                                    "one rank) and give every rank that plan and policy")
     if plan.mixed_precision != policy:   # alike on every rank (checked above): every rank raises
         raise PlanMismatchError(f"the pipeline plan was made for mixed_precision {plan.mixed_precision or 'none'}, "
@@ -479,6 +480,10 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
         texts = {j: stage_plan(j).to_json() for j in mine if (j // p) % sub.size() == place}
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, not hang
         texts = exc
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - one that cannot travel goes as its text
+            texts = PlanError(f"planning stage programs {sorted(j for j in mine)} failed: {type(exc).__name__}: {exc}")
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, texts)
     failed = next((e for e in every if isinstance(e, Exception)), None)
@@ -487,7 +492,8 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     plans = {j: Plan.from_json(text) for d in every for j, text in d.items()}
 
     # each stage's own group, for the pieces of what crosses its boundaries (every rank makes every one)
-    groups = [dist.new_group(mesh.mesh[c].flatten().tolist()) for c in range(p)] if sub.size() > 1 else [None] * p
+    groups = [dist.new_group(mesh.mesh[c].flatten().tolist(), timeout=_torch.default_group_timeout(device.type))
+              for c in range(p)] if sub.size() > 1 else [None] * p
     hand = _Hand(groups[coordinate], place, sub.size())
     stages, pipeline_stages = [], []
     for j in mine:
