@@ -512,3 +512,21 @@ def _views_of(node: torch.fx.Node) -> list[torch.fx.Node]:
         if schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
             todo.extend(user.users)
     return out
+
+
+def zero_bubble_order(stages: int, micro_batches: int, virtual: int) -> dict[int, list[tuple[str, int, int]]]:
+    """The per-rank order of tasks of torch's ``ScheduleInterleavedZeroBubble`` for ``stages``
+    ranks of ``virtual`` programs each and ``micro_batches``: per rank, ("F" | "I" | "W", program,
+    micro-batch) in the order the rank runs them (forward, input gradient, weight gradient). The
+    schedule computes every rank's order in its constructor from these four numbers alone; it is
+    built here without stages (private: its attributes and ``_calculate_single_rank_operations``)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, _ComputationType
+
+    s = object.__new__(ScheduleInterleavedZeroBubble)
+    s.pp_group_size, s.n_local_stages, s._n_microbatches = stages, virtual, micro_batches
+    s.number_of_rounds = max(1, micro_batches // stages)
+    s.microbatches_per_round = micro_batches // s.number_of_rounds
+    kind = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "I",
+            _ComputationType.BACKWARD_WEIGHT: "W"}
+    return {r: [(kind[a.computation_type], a.stage_index, a.microbatch_index)
+                for a in s._calculate_single_rank_operations(r) if a is not None] for r in range(stages)}

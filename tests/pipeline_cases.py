@@ -86,7 +86,13 @@ def run_case(schedule: str, roles, checkpoint_dir: str | None, kind: str = "llam
     out.update(param=_gap(pm, params_ref), names=sorted(n for n, _ in pm.named_parameters()),
                is_dtensor=all(isinstance(p, DTensor) for p in pm.parameters()),
                stage_programs=sorted(pm.stage_plans), schedule=type(pm.__dict__["_schedule"]).__name__,
-               mesh=pm.plan.mesh_shape, pieces=pm.__dict__["_stages"][0].__dict__["hand"].size, stage_dims=sorted({p.device_mesh.mesh_dim_names for p in pm.parameters()}))
+               mesh=pm.plan.mesh_shape, pieces=pm.__dict__["_stages"][0].__dict__["hand"].size, stage_dims=sorted({p.device_mesh.mesh_dim_names for p in pm.parameters()}),
+               # zero bubble: each program's backward split in two, every deferred weight part run
+               split=[(s.body.__dict__["_split"] is not None, len(s.body.__dict__["_deferred"]))
+                      for s in pm.__dict__["_stages"]],
+               # matrix products in each part: (input part, weight part), per program
+               split_mms=[tuple(sum("mm" in str(n.target) for n in g.graph.nodes) for g in s.body.__dict__["_split"])
+                          for s in pm.__dict__["_stages"] if s.body.__dict__["_split"] is not None])
     # a second step from the same batch: the accumulation counters restart every step
     reference.zero_grad()
     run(*batch).backward()

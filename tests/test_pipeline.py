@@ -90,6 +90,88 @@ def test_interleaved_matches_a_simulated_schedule(p, v, m):
     assert most == pytest.approx([pipeline.held("interleaved", p, m, s, v) for s in range(p)])
 
 
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 16), (8, 32)])
+@pytest.mark.parametrize("work", [(1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (2.0, 1.5, 1.5)])
+def test_zero_bubble_idle_is_the_published_one(p, m, work):
+    """torch's zero-bubble order with one program per rank is ZB-H1 (Qi et al., ICLR 2024): idle
+    (p - 1)(F + I - W) where W <= F, holding at most p micro-batches, as 1F1B's first stage;
+    with v programs per rank the idle time is 1/v of that, as interleaving divides 1F1B's."""
+    f, i, w = work
+    assert pipeline.zero_bubble_idle(p, m, 1, f, i, w) == pytest.approx((p - 1) * (f + i - w))
+    assert [pipeline.held("zero-bubble", p, m, s) for s in range(p)] == [min(p, m)] * p
+    if m % p == 0 and m >= p:
+        assert pipeline.zero_bubble_idle(p, m, 2, f, i, w) == pytest.approx((p - 1) * (f + i - w) / 2)
+    # never slower than 1F1B's (p - 1)(F + I + W), by 2 W (p - 1) exactly
+    assert pipeline.zero_bubble_idle(p, m, 1, f, i, w) == pytest.approx(pipeline.bubble("1f1b", p) * (f + i + w)
+                                                                        - 2 * w * (p - 1))
+
+
+def test_work_split_counts_each_matmul_where_it_runs():
+    """L bias-free linear layers (ReLU between) to a summed loss, by hand: forward L products of
+    2 b n^2 FLOPs; backward one per layer for its weight (the weight part) and one per layer but
+    the first for the gradient carried on through the weight (the input part: the batch takes
+    none). And a transformers model: the weight part is its linear weights' gradients, by hand."""
+    layers, n, b = 3, 16, 4
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(n, n, bias=False) for _ in range(layers))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x.sum()
+
+    total = 3 * layers - 1
+    traced = trace(Stack(), (torch.randn(b, n),))
+    assert pipeline.work_split(traced) == pytest.approx((layers / total, (layers - 1) / total, layers / total))
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from autoshard.passes.annotate import META_KEY
+
+    model = hf.CausalLM(Qwen2ForCausalLM(hf._config(
+        Qwen2Config, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)))
+    ids = torch.randint(0, 128, (8, 16))
+    traced = trace(model, (ids, ids))
+    total = sum(n.meta[META_KEY].flops for n in traced.gm.graph.nodes
+                if META_KEY in n.meta and n.meta[META_KEY].phase in ("fwd", "bwd"))
+    # each linear weight (o, i) takes 2 T o i FLOPs for its gradient, T = 8 x 16 tokens
+    linear = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
+    fwd, inp, wgt = pipeline.work_split(traced)
+    assert wgt == pytest.approx(2 * 8 * 16 * linear / total) and fwd + inp + wgt == pytest.approx(1)
+    assert inp > wgt   # the input part also carries attention's backward
+
+
+def test_a_backward_cut_in_two_computes_what_it_did_whole():
+    """Zero bubble's two parts of a backward graph (runtime/module.py ``_split_backward``): the
+    input part, then the weight part from what it hands on, give the whole graph's gradients
+    exactly. The weight part is handed tensors alone: the layer norm's weight and bias gradients
+    but not its input gradient, which the stage sends on at once."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.runtime.module import _split_backward
+
+    def backward(x, dy, *weights):   # parameters' gradients first, then the input's, as compiled
+        x, weights = x.detach().requires_grad_(), [w.detach().requires_grad_() for w in weights]
+        h = torch.nn.functional.layer_norm(x, (8,), weights[0], weights[1])
+        y = torch.nn.functional.linear(torch.relu(h), weights[2], weights[3])
+        return tuple(torch.autograd.grad(y, [*weights, x], dy))
+
+    torch.manual_seed(0)
+    args = [torch.randn(4, 8), torch.randn(4, 8), torch.randn(8), torch.randn(8), torch.randn(8, 8), torch.randn(8)]
+    whole = make_fx(backward)(*args)
+    inputs_part, weights_part = _split_backward(whole, 4)
+    handed = inputs_part(*args)
+    got = (*weights_part(*handed[1:]), handed[0])
+    assert all(torch.equal(a, b) for a, b in zip(got, whole(*args)))
+    assert all(isinstance(t, torch.Tensor) for t in handed[1:]) and not any(t is handed[0] for t in handed[1:])
+    # one matmul each: the output gradient with the weight (carried on), with the saved input (the weight's)
+    mms = [sum(n.target is torch.ops.aten.mm.default for n in g.graph.nodes) for g in (inputs_part, weights_part)]
+    assert mms == [1, 1], mms
+
+
 def test_balance_is_the_best_contiguous_split():
     rng = random.Random(0)
     for _ in range(60):
@@ -201,6 +283,16 @@ def test_a_transformers_model_whose_layers_the_stages_do_not_divide():
     assert pp.step_time == pytest.approx(4 * worst + pp.bubble_time + max(pp.stage_once) + pp.send_time)
     # the stage with the head (its last) is the slower per layer: it got fewer
     assert pp.layers == [2, 1] and pp.stage_times[1] > pp.stage_times[0] / 2
+    # zero bubble, one program per rank (ZB-H1): idle (p - 1)(F + I - W) of the slowest stage's
+    # micro-batch split as the model cut to two layers splits its FLOPs; every stage holds p
+    zb = pipeline.plan_pipeline(model, cluster, (ids, ids), stages=2, micro_batches=4, schedules="zero-bubble",
+                                virtual=1, time_limit=60)
+    with pipeline.cut_to(model, 2) as cut:
+        f, i, w = pipeline.work_split(trace(cut, pipeline.micro_batch((ids, ids), 4)))
+    worst = max(zb.stage_times)
+    assert zb.schedule == "zero-bubble" and zb.held == [2.0, 2.0] and zb.virtual == 1
+    assert zb.bubble_time == pytest.approx((f + i - w) * worst) and zb.bubble_time < 0.5 * worst
+    assert zb.step_time == pytest.approx(4 * worst + zb.bubble_time + max(zb.stage_once) + zb.send_time)
     with pytest.raises(autoshard.errors.ClusterError, match="initialized process group"):
         autoshard.compile(model, cluster, (ids, ids), plan=pp)   # runs on ranks, as without stages
     again = pipeline.PipelinePlan.from_json(pp.to_json())
@@ -265,7 +357,8 @@ def test_bad_input_names_what_works():
 RUNS = {"1f1b-fsdp": ("llama", "1f1b", ("dp", "fsdp"), True),
         "interleaved-free": ("llama", "interleaved", None, False),
         "qwen2-gpipe-free": ("qwen2", "gpipe", None, False),
-        "1f1b-free-bf16": ("llama-bf16", "1f1b", None, False)}
+        "1f1b-free-bf16": ("llama-bf16", "1f1b", None, False),
+        "zero-bubble-free": ("llama", "zero-bubble", None, False)}
 
 
 @pytest.fixture(scope="module")
@@ -308,8 +401,16 @@ def test_a_pipeline_step_matches_the_single_device_step(pipeline_runs, case):
         assert "compiled for a global batch of [((8, 16), torch.int64)" in r["wrong_batch"], r["wrong_batch"]
         layers = {int(n.split("layers.")[1].split(".")[0]) if "layers." in n else int(n.split(".")[1])
                   for n in r["names"] if n.startswith("blocks.") or ".layers." in n}
-        if case.startswith("interleaved"):   # 4 programs of one layer; rank r holds r mod 2 and + 2
-            assert r["stage_programs"] == ([0, 2] if rank in first else [1, 3]) and r["schedule"].startswith("ScheduleInterleaved")
+        if case.startswith(("interleaved", "zero-bubble")):   # 4 programs of one layer; rank r holds r mod 2 and + 2
+            assert r["stage_programs"] == ([0, 2] if rank in first else [1, 3]), (rank, r["stage_programs"])
+            assert r["schedule"] == ("ScheduleInterleavedZeroBubble" if case.startswith("zero") else
+                                     "ScheduleInterleaved1F1B"), r["schedule"]
+            # zero bubble runs each backward's weight part apart, and all of them by the step's end
+            assert r["split"] == [(case.startswith("zero"), 0)] * 2, r["split"]
+            if case.startswith("zero"):   # both parts do matrix products: weights' and the gradient carried on,
+                # but for the first program, whose input (the batch) takes no gradient
+                assert all((i > 0) == (j > 0) and w > 0 for j, (i, w) in zip(r["stage_programs"], r["split_mms"])), \
+                    r["split_mms"]
             assert layers == ({0, 2} if rank in first else {1, 3}), (rank, r["names"])
         else:
             assert r["stage_programs"] == ([0] if rank in first else [1])

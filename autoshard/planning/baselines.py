@@ -35,7 +35,8 @@ dropped):
   when smaller), and inside each stage (fsdp, tp) on its (N/8, G) mesh: torchtitan's 3-D layout
   for its largest runs (FSDP 8 x TP 8 x PP 8 on 512 H100). Priced by
   :mod:`autoshard.planning.pipeline` (a :class:`~autoshard.planning.pipeline.PipelinePlan`, which
-  ``compile`` runs), over 1F1B and interleaved 1F1B; with fewer than 8 nodes, the most stages
+  ``compile`` runs), over 1F1B and interleaved 1F1B (torchtitan's; zero bubble is left to the
+  free search); with fewer than 8 nodes, the most stages
   up to 8 that divide them. :func:`plan_baseline` plans it from the ``nn.Module`` (the stages
   cut its layers); :func:`compare` does not.
 
@@ -233,8 +234,9 @@ def _fsdp_tp_pp(model, cluster: Cluster, example_inputs, recompute, **kwargs):
         raise InfeasibleError(f"fsdp_tp_pp needs an outer mesh dim of 2 or more to put stages on, not "
                               f"{tuple(cluster.mesh_shape)}")
     try:
+        # torchtitan's schedules for this layout: the zero-bubble one is the free search's
         return plan_pipeline(model, cluster, example_inputs, stages=stages, roles=("fsdp", "tp"),
-                             recompute=recompute, **kwargs)
+                             schedules=("1f1b", "interleaved"), recompute=recompute, **kwargs)
     except ConstraintError as exc:   # a baseline this model or batch cannot express: as for the others
         raise InfeasibleError(f"fsdp_tp_pp: {exc}") from exc
 

@@ -16,6 +16,10 @@ intra-op plan (below). The step is
 
     bubble = p - 1            GPipe and 1F1B
            = (p - 1) / v      interleaved 1F1B, v virtual stages (chunks of layers) per rank
+    zero bubble: the slowest rank's idle time under torch's interleaved zero-bubble order, its
+           micro-batch split into forward, input-gradient and weight-gradient parts as the
+           model's FLOPs are (:func:`work_split`, :func:`zero_bubble_idle`): (p - 1)(F + I - W)/v
+           where W <= F
     sends  = (m v + p - 1) * 2 * (alpha + a / (S beta) + G(a))
                                                     a micro-batch's activation forward and its
                                                     gradient back, over the outer dim's link
@@ -37,6 +41,10 @@ it ran and whose backward it has not:
     GPipe         m
     1F1B          min(p - s, m)                              the first stage the most
     interleaved   min((v - 1) p + 2 (p - 1 - s) + 1, m v) / v  (torch's warmup, in chunks of 1/v)
+    zero bubble   the most chunks forward has run and the weight gradient not, in torch's order,
+                  over v: min(p, m) (each counted as one micro-batch's saved activations: the
+                  input gradient frees what only it reads, and the weight part's own values, its
+                  output gradients among them, stay)
 
 The intra-op plan. For each (p, m, schedule) one ILP solves a copy of the model cut to k
 layers, k = max(2, max_s n_s), with its embeddings and head, at micro-batch b, on the stage
@@ -50,7 +58,7 @@ under the stage's cap. Stages share the one solve, as repeated layers do.
 ``autoshard.compile(..., plan=pipeline_plan)`` runs a plan (autoshard/runtime/pipeline.py), each
 stage program planned again on its own. Stages cut the outer dim of the cluster's mesh, or of each
 logical mesh ``meshes`` names (:func:`plan_pipeline`). GPipe prices as 1F1B with more memory, so the default search
-leaves it out (``schedules=("gpipe", ...)`` prices it).
+(``SEARCHED``) leaves it out (``schedules=("gpipe", ...)`` prices it).
 """
 
 from __future__ import annotations
@@ -64,12 +72,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from autoshard import _torch
 from autoshard.cluster import Cluster
 from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, PlanError, SolverError
 from autoshard.planning.meshes import divisors, failure
 from autoshard.planning.plan import Plan, read_json
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+# the schedules of the default search; GPipe prices as 1F1B with more memory (module docstring)
+SEARCHED = ("1f1b", "interleaved", "zero-bubble")
 
 
 # --- schedules -----------------------------------------------------------------------------------
@@ -83,12 +94,86 @@ def held(schedule: str, stages: int, micro_batches: int, stage: int, virtual: in
         return float(min(p - s, m))
     if schedule == "interleaved":
         return min((v - 1) * p + 2 * (p - 1 - s) + 1, m * v) / v
+    if schedule == "zero-bubble":   # forward run, weight gradient not yet: what it reads is still held
+        live = most = 0
+        for kind, _, _ in _torch.zero_bubble_order(p, m, v)[s]:
+            live += (kind == "F") - (kind == "W")
+            most = max(most, live)
+        return most / v
     raise ConstraintError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
 
 
 def bubble(schedule: str, stages: int, virtual: int = 1) -> float:
-    """Idle micro-batch slots on the critical path: p - 1, or (p - 1)/v interleaved."""
+    """Idle micro-batch slots on the critical path: p - 1, or (p - 1)/v interleaved (zero-bubble:
+    :func:`zero_bubble_idle`)."""
     return (stages - 1) / virtual if schedule == "interleaved" else float(stages - 1)
+
+
+def zero_bubble_idle(stages: int, micro_batches: int, virtual: int, forward: float, inputs: float,
+                     weights: float) -> float:
+    """Idle time of the slowest rank's step under torch's interleaved zero-bubble schedule, each
+    rank running its own order of tasks (``_torch.zero_bubble_order``) as soon as their inputs
+    exist: the makespan less the rank's m v tasks of each kind. ``forward``, ``inputs``,
+    ``weights``: one micro-batch's forward, input-gradient and weight-gradient time through all
+    of a rank's layers (a program's is 1/v of it). F(j, i) follows F(j - 1, i); I(j, i) follows
+    I(j + 1, i) (the last program: its own F); W(j, i) follows I(j, i)."""
+    p, m, v = stages, micro_batches, virtual
+    order = _torch.zero_bubble_order(p, m, v)
+    cost = {"F": forward / v, "I": inputs / v, "W": weights / v}
+    last = p * v - 1
+    done: dict[tuple[str, int, int], float] = {}
+    clock, pos = [0.0] * p, [0] * p
+    while any(pos[r] < len(order[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(order[r]):
+                kind, j, i = order[r][pos[r]]
+                deps = {"F": [("F", j - 1, i)] if j > 0 else [],
+                        "I": [("F", j, i)] if j == last else [("I", j + 1, i)],
+                        "W": [("I", j, i)]}[kind]
+                if not all(d in done for d in deps):
+                    break
+                clock[r] = done[(kind, j, i)] = max([clock[r]] + [done[d] for d in deps]) + cost[kind]
+                pos[r] += 1
+                moved = True
+        if not moved:   # torch's order is a valid schedule: this would be a bug here
+            raise PlanError(f"the zero-bubble order of {p} stages, {m} micro-batches deadlocked")
+    return max(clock) - m * (forward + inputs + weights)
+
+
+def work_split(traced) -> tuple[float, float, float]:
+    """Shares of the traced step's FLOPs in forward, in the input-gradient part of backward and in
+    its weight-gradient part. The input part carries the gradient through the weights: every
+    backward op that reads a parameter (or a value made from parameters alone: a transpose, a
+    cast), as the matmul of the output gradient with the weight does, and everything such an op
+    needs (attention's backward, a norm's). The rest only turns gradients and saved activations
+    into a parameter's gradient (the weight's matmul with its saved input, a norm weight's sum)."""
+    from autoshard.passes.annotate import META_KEY as COST_KEY
+
+    weights = {node for _, node in traced.params}
+    for node in traced.gm.graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and all(a in weights for a in node.all_input_nodes):
+            weights.add(node)
+
+    def phase(node):
+        cost = node.meta.get(COST_KEY)
+        return None if cost is None else cost.phase
+
+    carried: set = set()
+    stack = [n for n in traced.gm.graph.nodes if phase(n) == "bwd" and n not in weights
+             and any(a in weights for a in n.all_input_nodes)]
+    while stack:
+        node = stack.pop()
+        if node not in carried and phase(node) == "bwd":
+            carried.add(node)
+            stack.extend(node.all_input_nodes)
+    flops = {"fwd": 0.0, "I": 0.0, "W": 0.0}
+    for node in traced.gm.graph.nodes:
+        if phase(node) in ("fwd", "bwd"):
+            part = "fwd" if phase(node) == "fwd" else "I" if node in carried else "W"
+            flops[part] += node.meta[COST_KEY].flops
+    total = sum(flops.values()) or 1.0
+    return flops["fwd"] / total, flops["I"] / total, flops["W"] / total
 
 
 def balance(layers: int, stages: int, layer: float, pre: float = 0.0, post: float = 0.0,
@@ -374,7 +459,7 @@ def boundary_bytes(traced) -> float:
 
 
 def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro_batches=None,
-                  schedules=("1f1b", "interleaved"), virtual: int = 2, memory_limit: float | None = None,
+                  schedules=SEARCHED, virtual: int = 2, memory_limit: float | None = None,
                   recompute=True, time_limit: float = 120.0, roles: tuple[str, ...] | None = None,
                   strict: bool = False, meshes=None, mixed_precision=None) -> PipelinePlan:
     """The fastest pipeline plan over ``stages`` (an int, a list, or None: every divisor of the
@@ -434,10 +519,13 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
             for m in m_list:
                 inputs = micro_batch(example_inputs, m)
                 for schedule in schedules:
-                    v = virtual if schedule == "interleaved" else 1
+                    v = virtual if schedule in ("interleaved", "zero-bubble") else 1
                     key = f"{prefix}pp{p} m{m} {schedule}{f' v{v}' if v > 1 else ''}"
-                    if schedule == "interleaved" and (m % p or n_layers < p * v):
-                        tried[key], why[key] = None, f"interleaved needs m divisible by p and at least {p * v} layers"
+                    if v > 1 and (m % p or n_layers < p * v):
+                        tried[key], why[key] = None, f"{schedule} needs m divisible by p and at least {p * v} layers"
+                        continue
+                    if schedule == "zero-bubble" and m % max(1, m // p):   # torch's rounds of micro-batches
+                        tried[key], why[key] = None, f"zero-bubble needs m a multiple of its {m // p} rounds (m // p)"
                         continue
                     try:
                         candidate = _price(model, inputs, grid, stage, p, m, schedule, v, n_layers, limit,
@@ -511,7 +599,11 @@ def _price(model, inputs, cluster: Cluster, stage: Cluster, p, m, schedule, v, n
     send = link.latency + whole / size / link.effective_bandwidth + \
         stage.collective_time("all_gather", whole, list(range(stage.ndim)))
     sends = (m * v + p - 1) * 2 * send
-    idle = bubble(schedule, p, v) * max(times)
+    if schedule == "zero-bubble":   # the slowest stage's micro-batch, split as its FLOPs are
+        fwd, inp, wgt = work_split(traced)
+        idle = zero_bubble_idle(p, m, v, fwd * max(times), inp * max(times), wgt * max(times))
+    else:
+        idle = bubble(schedule, p, v) * max(times)
     return PipelinePlan(stages=p, virtual=v, micro_batches=m, schedule=schedule, layers=counts,
                         stage_mesh=tuple(stage.mesh_shape), step_time=m * max(times) + idle + max(once) + sends,
                         bubble_time=idle, send_time=sends, stage_times=list(times), stage_once=list(once), held=hold,

@@ -43,6 +43,7 @@ in a :class:`~autoshard.errors.RuntimeMismatchError`; ``autoshard.checkpoint`` b
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.fx as fx
@@ -114,15 +115,24 @@ class _PlanStep(torch.autograd.Function):
         del tensors
         ctx.maybe_clear_saved_tensors()
         module = ctx.module
+        n_params = len(module._param_names)
+        nothing = [None] * (1 + n_params + len(module._buffer_names))   # the module, parameters, buffers
+        inputs = [None] * len(module._input_meta)
+        if module.__dict__["_split"] is not None:
+            # zero bubble: the input gradients now; what the weights' need waits for the schedule
+            # to call weight_backward (DistributedModule.defer_weights)
+            outs = list(module.__dict__["_split"][0](args))
+            for i, g in zip(module._input_grads, outs):
+                inputs[i] = g
+            module.__dict__["_deferred"].append(outs[len(module._input_grads):])
+            return (*nothing, *inputs)
         sync = module._syncs_now()
         # the graph that reduces each block's gradients itself, unless there are unreduced sums
         # to move with them (accumulation): those go through _take_grads after the plain graph
         in_graph = sync and module._bw_sync is not None and not module.__dict__["_unreduced"]
         grads = list(module._run["_bw_sync" if in_graph else "_bw"](args))
-        n_params = len(module._param_names)
         # after the parameters', the gradients of the inputs that take one (a pipeline stage's
         # received activations), each of this rank's piece
-        inputs = [None] * len(module._input_meta)
         for i, g in zip(module._input_grads, grads[n_params:]):
             inputs[i] = g
         del grads[n_params:]
@@ -130,7 +140,46 @@ class _PlanStep(torch.autograd.Function):
         module._take_grads(grads, sync, module._reduced if in_graph else frozenset())
         # the gradients were delivered to .grad above, in storage placement; autograd's path
         # through to_local() would label an unreduced partial sum as the parameter's placement
-        return (None, *([None] * (n_params + len(module._buffer_names))), *inputs)
+        return (*nothing, *inputs)
+
+
+def _split_backward(bw: fx.GraphModule, n_params: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """``bw`` (parameters' gradients, then the inputs') cut in two for a zero-bubble schedule:
+    the ops the input gradients need, returning those gradients and then every value the rest
+    reads (saved activations and tangents included), and the rest, which takes those values and
+    returns the parameters' gradients. Both run every op of ``bw`` once, in its order; constants
+    are read where used."""
+    nodes = list(bw.graph.nodes)
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    values = list(output.args[0])
+    first, stack = set(), [v for v in values[n_params:] if isinstance(v, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in first:
+            first.add(node)
+            stack.extend(node.all_input_nodes)
+    # an op of several outputs (a layer norm's backward: input, weight and bias gradients) hands
+    # the weight part the pieces it reads, not the whole tuple with the input gradient in it
+    first |= {u for n in list(first) for u in n.users if u.target is operator.getitem}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    rest = [n for n in nodes if n.op not in ("placeholder", "output") and (n not in first or n.op == "get_attr")]
+    wanted = [v for v in values[:n_params] if isinstance(v, fx.Node)] + \
+        [a for n in rest for a in n.all_input_nodes]
+    handed = list(dict.fromkeys(a for a in wanted if (a in first or a.op == "placeholder") and a.op != "get_attr"))
+
+    def graph(inputs, body, outs):
+        g, env = fx.Graph(), {}
+        for node in inputs:
+            env[node] = g.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+        for node in body:
+            env[node] = g.node_copy(node, env.__getitem__)
+        g.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in outs))
+        return fx.GraphModule(bw, g)
+
+    inputs_part = graph(placeholders, [n for n in nodes if n in first and n.op != "placeholder"],
+                        values[n_params:] + handed)
+    return inputs_part, graph(handed, rest, values[:n_params])
 
 
 def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -206,6 +255,29 @@ class DistributedModule(nn.Module):
         self._backwards = 0          # backward passes since the last gradient move to storage
         self._skip_sync = False
         self.__dict__["_unreduced"] = {}  # name -> local unreduced gradient (not module state)
+        self.__dict__["_split"] = None    # (input part, weight part) of bw: defer_weights
+        self.__dict__["_deferred"] = []   # per backward run so, what its weight part reads
+
+    def defer_weights(self) -> None:
+        """From now on a backward computes the inputs' gradients only, and keeps what the
+        parameters' need (saved activations, the output gradients' descendants) until
+        ``weight_backward(pop_deferred())``: the input / weight split of zero-bubble pipeline
+        schedules (Qi et al., 2024), which run a weight part in another part's idle time."""
+        if self.backend != "eager":
+            raise RuntimeMismatchError(f"deferred weight gradients run the backward graph split in two, eagerly; "
+                                       f"this module was built for backend={self.backend!r}")
+        self.__dict__["_split"] = tuple(_boxed(g) for g in _split_backward(self.__dict__["_bw"],
+                                                                            len(self._param_names)))
+
+    def pop_deferred(self) -> list:
+        """What the latest backward's weight part reads (``defer_weights``)."""
+        return self.__dict__["_deferred"].pop()
+
+    def weight_backward(self, deferred: list) -> None:
+        """The parameters' gradients of a backward that deferred them, into ``.grad`` (reduced to
+        storage on every ``grad_accumulation``-th, as a whole backward's are)."""
+        grads = list(self.__dict__["_split"][1](deferred))
+        self._take_grads(grads, self._syncs_now())
 
     def _working_copies(self, primals):
         """The graph's parameter inputs: storage shards, or for a parameter the plan gathers once per
@@ -316,9 +388,11 @@ class DistributedModule(nn.Module):
             p.grad.add_(g)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Also drops gradients accumulated unreduced (inside ``no_sync``) and not yet moved."""
+        """Also drops gradients accumulated unreduced (inside ``no_sync``) and not yet moved, and
+        weight parts deferred and not run (a step that stopped midway)."""
         super().zero_grad(set_to_none)
         self.__dict__["_unreduced"].clear()
+        self.__dict__["_deferred"].clear()
         self._backwards = 0
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,

@@ -19,7 +19,9 @@ come back the same way. Inputs of the model that a later stage reads (the target
 do not travel: every rank has the global batch, and a stage takes the micro-batch it is on.
 
 Every rank calls :meth:`PipelineModule.step` with the global batch; it runs the schedule's
-forwards and backwards of all m micro-batches and returns the mean loss, on every rank.
+forwards and backwards of all m micro-batches and returns the mean loss, on every rank. Under
+the zero-bubble schedule each program's backward runs in two tasks: the input gradients, then,
+when the schedule gets to it, the weights' (:meth:`DistributedModule.defer_weights`).
 ``state_dict()`` holds this rank's stages' entries under the model's names, so
 torch.distributed.checkpoint saves a pipeline and loads it into any other plan, pipeline or not.
 """
@@ -273,6 +275,13 @@ class _Stage(nn.Module):
         out = tuple(hand.send(t) for t in out) + tuple(received[k].clone() for k in self.passed)
         return out[0] if len(out) == 1 else out
 
+    def weights_later(self):
+        """torch's ``dw_builder`` under a zero-bubble schedule: called right after a backward that
+        computed the input gradients only, it returns what computes that backward's weight
+        gradients when the schedule gets to them."""
+        body, deferred = self.body, self.body.pop_deferred()
+        return lambda: body.weight_backward(deferred)
+
 
 class PipelineModule(nn.Module):
     """This rank's stage programs of a pipeline plan (module docstring). Parameters are DTensors on
@@ -406,7 +415,8 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
                    mixed_precision: MixedPrecision | None = None) -> PipelineModule:
     """This rank's :class:`PipelineModule` running ``plan`` (from
     :func:`~autoshard.planning.pipeline.plan_pipeline`) on ``cluster``; every rank calls it."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
 
     from autoshard.build import build
     from autoshard.planning.driver import prepare, solve, trace
@@ -496,6 +506,7 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
               for c in range(p)] if sub.size() > 1 else [None] * p
     hand = _Hand(groups[coordinate], place, sub.size())
     stages, pipeline_stages = [], []
+    zero_bubble = plan.schedule == "zero-bubble"
     for j in mine:
         program = pipe.get_stage_module(j)
         traced, _, _ = prepared(j)
@@ -505,18 +516,22 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
             [values[x] for x in route.passes[j - 1]]
         wrapped = _Stage(body, route.inputs(j), route.passed(j), first=j == 0, last=j == p * v - 1, hand=hand,
                          shapes=[tuple(a.shape) for a in received])
+        if zero_bubble:
+            body.defer_weights()
         stages.append(wrapped)
         sent = [values[(j, k)] for k in range(route.own[j])] + [values[x] for x in route.passes[j]]
         outs = [_meta(sent[0].reshape(1), True)] if j == p * v - 1 else [hand.meta(o) for o in sent]
         pipeline_stages.append(PipelineStage(
             wrapped, j, p * v, device,
             input_args=tuple(_meta(a, False) for a in received) if j == 0 else tuple(hand.meta(a) for a in received),
-            output_args=tuple(outs), group=mesh.get_group(pp)))
+            output_args=tuple(outs), group=mesh.get_group(pp), dw_builder=wrapped.weights_later if zero_bubble else None))
 
     def loss_fn(output, target):   # the last program's output is the model's loss already
         return output.sum()
 
-    if plan.schedule == "interleaved":
+    if zero_bubble:
+        schedule = ScheduleInterleavedZeroBubble(pipeline_stages, m, loss_fn=loss_fn)
+    elif plan.schedule == "interleaved":
         schedule = ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=loss_fn)
     else:
         kind = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
