@@ -514,16 +514,20 @@ def _views_of(node: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
-def zero_bubble_order(stages: int, micro_batches: int, virtual: int) -> dict[int, list[tuple[str, int, int]]]:
-    """The per-rank order of tasks of torch's ``ScheduleInterleavedZeroBubble`` for ``stages``
-    ranks of ``virtual`` programs each and ``micro_batches``: per rank, ("F" | "I" | "W", program,
-    micro-batch) in the order the rank runs them (forward, input gradient, weight gradient). The
-    schedule computes every rank's order in its constructor from these four numbers alone; it is
-    built here without stages (private: its attributes and ``_calculate_single_rank_operations``)."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, _ComputationType
+def zero_bubble_order(stages: int, micro_batches: int, virtual: int, v_shape: bool = False
+                      ) -> dict[int, list[tuple[str, int, int]]]:
+    """The per-rank order of tasks of torch's ``ScheduleInterleavedZeroBubble`` (``v_shape``:
+    ``ScheduleZBVZeroBubble``, two programs per rank) for ``stages`` ranks of ``virtual`` programs
+    each and ``micro_batches``: per rank, ("F" | "I" | "W", program, micro-batch) in the order the
+    rank runs them (forward, input gradient, weight gradient). The schedules compute every rank's
+    order in their constructor from these numbers alone; built here without stages (private:
+    their attributes and ``_calculate_single_rank_operations``)."""
+    from torch.distributed.pipelining.schedules import (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+                                                        _ComputationType)
 
-    s = object.__new__(ScheduleInterleavedZeroBubble)
+    s = object.__new__(ScheduleZBVZeroBubble if v_shape else ScheduleInterleavedZeroBubble)
     s.pp_group_size, s.n_local_stages, s._n_microbatches = stages, virtual, micro_batches
+    s.num_stages = stages * virtual
     s.number_of_rounds = max(1, micro_batches // stages)
     s.microbatches_per_round = micro_batches // s.number_of_rounds
     kind = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "I",

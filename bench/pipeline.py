@@ -1,6 +1,6 @@
 """Pipeline stages against plans without them, on Llama shapes across many nodes: the free
 pipeline search for each stage count (stages over the node dim, micro-batches p and 4p, 1F1B,
-interleaved 1F1B and zero bubble; the free pipeline plan is the fastest of them), the hand layout
+interleaved 1F1B, zero bubble and ZB-V; the free pipeline plan is the fastest of them), the hand layout
 FSDP x TP x PP 8 (``fsdp_tp_pp``, with and without full recompute), the free plan without
 stages on the cluster's mesh, and the FSDP and TP x FSDP baselines without stages (each with
 and without full recompute), with every planning time. Predicted figures (the cost model's), bf16, all on meta tensors. Writes bench/out/pipeline.json.

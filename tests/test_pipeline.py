@@ -106,6 +106,37 @@ def test_zero_bubble_idle_is_the_published_one(p, m, work):
                                                                         - 2 * w * (p - 1))
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_v_against_interleaved_zero_bubble(p, m):
+    """ZB-V (Qi et al., section 6: two programs per rank in a V) in torch's order: as idle as the
+    interleaved zero-bubble order of two programs per rank where F = I = W, less where the input
+    gradient costs more than the weight's (attention's backward is all input part), no less where
+    the forward costs most; with 2p micro-batches or more every rank holds p of them, as
+    1F1B's first stage (the paper's peak); rank r runs programs r and 2p - 1 - r."""
+    def idle(f, i, w, v_shape):
+        return pipeline.zero_bubble_idle(p, m, 2, f, i, w, v_shape=v_shape)
+
+    assert idle(1.0, 1.0, 1.0, True) == pytest.approx(idle(1.0, 1.0, 1.0, False))
+    assert idle(1.0, 1.3, 0.7, True) < idle(1.0, 1.3, 0.7, False)
+    assert idle(2.0, 1.5, 1.5, True) >= idle(2.0, 1.5, 1.5, False)
+    assert [pipeline.held("zero-bubble-v", p, m, s, 2) for s in range(p)] == [float(p)] * p
+    assert [pipeline.program_rank("zero-bubble-v", j, p) for j in range(2 * p)] == [*range(p), *reversed(range(p))]
+    assert [pipeline.program_rank("zero-bubble", j, p) for j in range(2 * p)] == [*range(p)] * 2
+
+
+def test_zero_bubble_v_prices_the_head_on_the_first_stage():
+    """Under ZB-V the first rank runs the first program and the last: its time per micro-batch
+    is its layers' plus the embeddings' and the head's, the other rank's its layers' alone."""
+    model, inputs = _tiny_llama(4)
+    cluster = autoshard.Cluster.preset("dgx-h100", nodes=2)
+    zbv = pipeline.plan_pipeline(model, cluster, inputs, stages=2, micro_batches=4, schedules="zero-bubble-v",
+                                 time_limit=60)
+    split = pipeline.split_times(zbv.stage_plan, 2)
+    assert zbv.schedule == "zero-bubble-v" and zbv.virtual == 2 and zbv.held == [2.0, 2.0]
+    assert zbv.stage_times == pytest.approx([zbv.layers[0] * split.layer[0] + split.pre[0] + split.post[0],
+                                             zbv.layers[1] * split.layer[0]])
+
+
 def test_work_split_counts_each_matmul_where_it_runs():
     """L bias-free linear layers (ReLU between) to a summed loss, by hand: forward L products of
     2 b n^2 FLOPs; backward one per layer for its weight (the weight part) and one per layer but
@@ -179,10 +210,11 @@ def test_balance_is_the_best_contiguous_split():
         if layers < stages * least:
             continue
         layer, pre, post = rng.uniform(0.5, 2), rng.uniform(0, 4), rng.uniform(0, 4)
-        time = lambda counts: max(n * layer + (pre if s == 0 else 0) + (post if s == stages - 1 else 0)  # noqa: E731
+        head = rng.choice([stages - 1, stages - 1, 0])   # the last stage, or the first (ZB-V's V)
+        time = lambda counts: max(n * layer + (pre if s == 0 else 0) + (post if s == head else 0)  # noqa: E731
                                   for s, n in enumerate(counts))
         best = min(time(c) for c in itertools.product(range(least, layers + 1), repeat=stages) if sum(c) == layers)
-        counts = pipeline.balance(layers, stages, layer, pre, post, least)
+        counts = pipeline.balance(layers, stages, layer, pre, post, least, head=head)
         assert sum(counts) == layers and min(counts) >= least
         assert time(counts) == pytest.approx(best)
         # and the most even of the best: no best split has a smaller spread of layers
@@ -358,7 +390,8 @@ RUNS = {"1f1b-fsdp": ("llama", "1f1b", ("dp", "fsdp"), True),
         "interleaved-free": ("llama", "interleaved", None, False),
         "qwen2-gpipe-free": ("qwen2", "gpipe", None, False),
         "1f1b-free-bf16": ("llama-bf16", "1f1b", None, False),
-        "zero-bubble-free": ("llama", "zero-bubble", None, False)}
+        "zero-bubble-free": ("llama", "zero-bubble", None, False),
+        "zero-bubble-v-fsdp": ("llama", "zero-bubble-v", ("dp", "fsdp"), False)}
 
 
 @pytest.fixture(scope="module")
@@ -401,17 +434,19 @@ def test_a_pipeline_step_matches_the_single_device_step(pipeline_runs, case):
         assert "compiled for a global batch of [((8, 16), torch.int64)" in r["wrong_batch"], r["wrong_batch"]
         layers = {int(n.split("layers.")[1].split(".")[0]) if "layers." in n else int(n.split(".")[1])
                   for n in r["names"] if n.startswith("blocks.") or ".layers." in n}
-        if case.startswith(("interleaved", "zero-bubble")):   # 4 programs of one layer; rank r holds r mod 2 and + 2
-            assert r["stage_programs"] == ([0, 2] if rank in first else [1, 3]), (rank, r["stage_programs"])
-            assert r["schedule"] == ("ScheduleInterleavedZeroBubble" if case.startswith("zero") else
-                                     "ScheduleInterleaved1F1B"), r["schedule"]
+        if case.startswith(("interleaved", "zero-bubble")):   # 4 programs of one layer
+            # rank r holds programs r mod 2 and + 2; under ZB-V a V: rank r holds r and 3 - r
+            own = ([0, 3] if rank in first else [1, 2]) if "-v-" in case else ([0, 2] if rank in first else [1, 3])
+            assert r["stage_programs"] == own and layers == set(own), (rank, r["stage_programs"], r["names"])
+            kind = {"interleaved": "ScheduleInterleaved1F1B", "zero-bubble": "ScheduleInterleavedZeroBubble",
+                    "zero-bubble-v": "ScheduleZBVZeroBubble"}
+            assert r["schedule"] == kind[case.rsplit("-", 1)[0]], r["schedule"]
             # zero bubble runs each backward's weight part apart, and all of them by the step's end
             assert r["split"] == [(case.startswith("zero"), 0)] * 2, r["split"]
             if case.startswith("zero"):   # both parts do matrix products: weights' and the gradient carried on,
                 # but for the first program, whose input (the batch) takes no gradient
                 assert all((i > 0) == (j > 0) and w > 0 for j, (i, w) in zip(r["stage_programs"], r["split_mms"])), \
                     r["split_mms"]
-            assert layers == ({0, 2} if rank in first else {1, 3}), (rank, r["names"])
         else:
             assert r["stage_programs"] == ([0] if rank in first else [1])
             assert r["schedule"] == ("ScheduleGPipe" if "gpipe" in case else "Schedule1F1B")
@@ -422,7 +457,8 @@ def test_a_pipeline_step_matches_the_single_device_step(pipeline_runs, case):
         assert r["stage_dims"] == ([("world",)] if case.startswith("qwen2") else [("d1",)]), r["stage_dims"]
         embed, head = ("embed.weight", "head.weight") if not case.startswith("qwen2") else \
             ("model.model.embed_tokens.weight", "model.lm_head.weight")
-        assert (embed in r["names"]) == (rank in first) and (head in r["names"]) == (rank in last), r["names"]
+        with_head = first if "-v-" in case else last   # the V ends where it started
+        assert (embed in r["names"]) == (rank in first) and (head in r["names"]) == (rank in with_head), r["names"]
 
 
 @pytest.mark.world(4)

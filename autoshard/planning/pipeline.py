@@ -19,7 +19,8 @@ intra-op plan (below). The step is
     zero bubble: the slowest rank's idle time under torch's interleaved zero-bubble order, its
            micro-batch split into forward, input-gradient and weight-gradient parts as the
            model's FLOPs are (:func:`work_split`, :func:`zero_bubble_idle`): (p - 1)(F + I - W)/v
-           where W <= F
+           where W <= F; ZB-V ("zero-bubble-v", torch's V order, the head on the first rank)
+           likewise
     sends  = (m v + p - 1) * 2 * (alpha + a / (S beta) + G(a))
                                                     a micro-batch's activation forward and its
                                                     gradient back, over the outer dim's link
@@ -78,9 +79,10 @@ from autoshard.errors import ConstraintError, CutoffError, InfeasibleError, Plan
 from autoshard.planning.meshes import divisors, failure
 from autoshard.planning.plan import Plan, read_json
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zero-bubble-v")
+ZERO_BUBBLE = ("zero-bubble", "zero-bubble-v")
 # the schedules of the default search; GPipe prices as 1F1B with more memory (module docstring)
-SEARCHED = ("1f1b", "interleaved", "zero-bubble")
+SEARCHED = ("1f1b", "interleaved", "zero-bubble", "zero-bubble-v")
 
 
 # --- schedules -----------------------------------------------------------------------------------
@@ -94,9 +96,9 @@ def held(schedule: str, stages: int, micro_batches: int, stage: int, virtual: in
         return float(min(p - s, m))
     if schedule == "interleaved":
         return min((v - 1) * p + 2 * (p - 1 - s) + 1, m * v) / v
-    if schedule == "zero-bubble":   # forward run, weight gradient not yet: what it reads is still held
+    if schedule in ZERO_BUBBLE:   # forward run, weight gradient not yet: what it reads is still held
         live = most = 0
-        for kind, _, _ in _torch.zero_bubble_order(p, m, v)[s]:
+        for kind, _, _ in _torch.zero_bubble_order(p, m, v, schedule == "zero-bubble-v")[s]:
             live += (kind == "F") - (kind == "W")
             most = max(most, live)
         return most / v
@@ -109,16 +111,25 @@ def bubble(schedule: str, stages: int, virtual: int = 1) -> float:
     return (stages - 1) / virtual if schedule == "interleaved" else float(stages - 1)
 
 
+def program_rank(schedule: str, program: int, stages: int) -> int:
+    """The rank (pipeline coordinate) that runs stage program j: j mod p in torch's loop order;
+    under ZB-V a V (rank r runs programs r and 2p - 1 - r, so the first rank has the
+    embeddings and the head)."""
+    chunk, r = divmod(program, stages)
+    return stages - 1 - r if schedule == "zero-bubble-v" and chunk % 2 else r
+
+
 def zero_bubble_idle(stages: int, micro_batches: int, virtual: int, forward: float, inputs: float,
-                     weights: float) -> float:
-    """Idle time of the slowest rank's step under torch's interleaved zero-bubble schedule, each
+                     weights: float, v_shape: bool = False) -> float:
+    """Idle time of the slowest rank's step under torch's interleaved zero-bubble schedule (or
+    ZB-V, ``v_shape``), each
     rank running its own order of tasks (``_torch.zero_bubble_order``) as soon as their inputs
     exist: the makespan less the rank's m v tasks of each kind. ``forward``, ``inputs``,
     ``weights``: one micro-batch's forward, input-gradient and weight-gradient time through all
     of a rank's layers (a program's is 1/v of it). F(j, i) follows F(j - 1, i); I(j, i) follows
     I(j + 1, i) (the last program: its own F); W(j, i) follows I(j, i)."""
     p, m, v = stages, micro_batches, virtual
-    order = _torch.zero_bubble_order(p, m, v)
+    order = _torch.zero_bubble_order(p, m, v, v_shape)
     cost = {"F": forward / v, "I": inputs / v, "W": weights / v}
     last = p * v - 1
     done: dict[tuple[str, int, int], float] = {}
@@ -177,14 +188,15 @@ def work_split(traced) -> tuple[float, float, float]:
 
 
 def balance(layers: int, stages: int, layer: float, pre: float = 0.0, post: float = 0.0,
-            least: int = 1) -> list[int]:
+            least: int = 1, head: int | None = None) -> list[int]:
     """Layers per stage, contiguous and at least ``least`` each, minimizing the slowest stage's
-    time n_s * layer + [first] pre + [last] post; of the splits that do, the most even one (the
-    earlier stages take the odd layers)."""
+    time n_s * layer + [first] pre + [s = head] post (``head``: the stage with the head, the last
+    by default); of the splits that do, the most even one (the earlier stages take the odd
+    layers)."""
     if layers < stages * least:
         raise ConstraintError(f"{layers} layers cannot fill {stages} stages of at least {least}")
     extra = [pre if s == 0 else 0.0 for s in range(stages)]
-    extra[-1] += post
+    extra[stages - 1 if head is None else head] += post
 
     def fits(bound: float) -> list[int] | None:
         room = [max(0, math.floor((bound - e) / layer + 1e-9)) if layer > 0 else layers for e in extra]
@@ -519,7 +531,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
             for m in m_list:
                 inputs = micro_batch(example_inputs, m)
                 for schedule in schedules:
-                    v = virtual if schedule in ("interleaved", "zero-bubble") else 1
+                    v = 2 if schedule == "zero-bubble-v" else virtual if schedule in ("interleaved", "zero-bubble") else 1
                     key = f"{prefix}pp{p} m{m} {schedule}{f' v{v}' if v > 1 else ''}"
                     if v > 1 and (m % p or n_layers < p * v):
                         tried[key], why[key] = None, f"{schedule} needs m divisible by p and at least {p * v} layers"
@@ -560,10 +572,11 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
     return best
 
 
-def _stage_plan(model, inputs, stage: Cluster, k: int, m: int, hold: list[float], limit: float, options: dict):
+def _stage_plan(model, inputs, stage: Cluster, k: int, m: int, hold: list[float], head: int, limit: float,
+                options: dict):
     """The intra-op plan of the model cut to ``k`` layers, at one micro-batch, on the stage's
     devices, for ``m`` micro-batches per step with ``hold[s]`` of them in flight on stage s: the
-    first stage's count for the layers and embeddings (the most), the last's for the head."""
+    most for the layers and embeddings, stage ``head``'s for the head."""
     from autoshard.planning.driver import prepare, solve, trace
     from autoshard.planning.pricing import price
     from autoshard.planning.roles import allow_for
@@ -574,34 +587,36 @@ def _stage_plan(model, inputs, stage: Cluster, k: int, m: int, hold: list[float]
     traced, fallbacks, gaps = prepare(traced, stage, inputs, options["strict"], policy)
     allow = allow_for(traced, options["roles"]) if options["roles"] is not None else None
     problem, solution, limit = solve(traced, stage, None, limit, options["recompute"], options["time_limit"],
-                                     allow=allow, grad_accumulation=m, held_batches=max(hold), held_head=hold[-1])
+                                     allow=allow, grad_accumulation=m, held_batches=max(hold), held_head=hold[head])
     return traced, price(traced, stage, problem, solution, fallbacks, gaps, limit)
 
 
 def _price(model, inputs, cluster: Cluster, stage: Cluster, p, m, schedule, v, n_layers, limit, options,
            solves: dict) -> PipelinePlan:
     hold = [held(schedule, p, m, s, v) for s in range(p)]
+    head = program_rank(schedule, p * v - 1, p)   # the stage with the head and loss
     k = max(2, math.ceil(n_layers / p))   # two copies at least: one layer alone shows no period
     while True:   # solve for k layers; again with more if balancing gave a stage more
-        key = (stage.to_json(), options["roles"], m, hold[0], hold[-1], k)   # grids can share a stage
+        key = (stage.to_json(), options["roles"], m, max(hold), hold[head], k)   # grids can share a stage
         if key not in solves:
-            solves[key] = _stage_plan(model, inputs, stage, k, m, hold, limit, options)
+            solves[key] = _stage_plan(model, inputs, stage, k, m, hold, head, limit, options)
         traced, sp = solves[key]
         split = split_times(sp, k)
-        counts = balance(n_layers, p, split.layer[0], split.pre[0], split.post[0], least=v)
+        counts = balance(n_layers, p, split.layer[0], split.pre[0], split.post[0], least=v, head=head)
         if max(counts) <= k:
             break
         k = max(counts)
-    times, once = zip(*(split.of(n, s == 0, s == p - 1) for s, n in enumerate(counts)))
+    times, once = zip(*(split.of(n, s == 0, s == head) for s, n in enumerate(counts)))
     link = cluster.links[0]   # consecutive stages differ in the outer mesh dim
     whole, size = boundary_bytes(traced), math.prod(stage.mesh_shape)
     # each rank sends its 1/S piece over the link; the receiving stage gathers them (module docstring)
     send = link.latency + whole / size / link.effective_bandwidth + \
         stage.collective_time("all_gather", whole, list(range(stage.ndim)))
     sends = (m * v + p - 1) * 2 * send
-    if schedule == "zero-bubble":   # the slowest stage's micro-batch, split as its FLOPs are
+    if schedule in ZERO_BUBBLE:   # the slowest stage's micro-batch, split as its FLOPs are
         fwd, inp, wgt = work_split(traced)
-        idle = zero_bubble_idle(p, m, v, fwd * max(times), inp * max(times), wgt * max(times))
+        idle = zero_bubble_idle(p, m, v, fwd * max(times), inp * max(times), wgt * max(times),
+                                schedule == "zero-bubble-v")
     else:
         idle = bubble(schedule, p, v) * max(times)
     return PipelinePlan(stages=p, virtual=v, micro_batches=m, schedule=schedule, layers=counts,

@@ -6,7 +6,7 @@ The model is cut into p x v stage programs at the first layer of each stage
 parameter's name). Rank coordinates: the outer dim of N of the plan's mesh (the cluster's, or the
 logical grid it was planned on) becomes (p, N/p); stage program j runs
 on the ranks of pipeline coordinate j mod p (torch's loop order: interleaved gives each rank v of
-them), on a sub-mesh of N/p x the inner dims. Each stage program is planned once, by one rank of
+them; under ZB-V a V, rank r runs programs r and 2p - 1 - r), on a sub-mesh of N/p x the inner dims. Each stage program is planned once, by one rank of
 its stage (the stages in parallel, the plans then all-gathered), by the ILP on that sub-mesh (its held micro-batches from the schedule, its gradients accumulated over the m
 micro-batches) and built as a :class:`~autoshard.runtime.module.DistributedModule`: DTensor
 parameters (plain tensors on a stage of one device) under the model's names, gradients reduced
@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from autoshard import _torch
 from autoshard.cluster import Cluster
 from autoshard.errors import ConstraintError, PlanError, PlanMismatchError, RuntimeMismatchError, TraceError
-from autoshard.planning.pipeline import PipelinePlan, held, micro_batch, repeated_module, stage_cluster
+from autoshard.planning.pipeline import PipelinePlan, held, micro_batch, program_rank, repeated_module, stage_cluster
 from autoshard.planning.plan import Plan
 from autoshard.precision import MixedPrecision, cast_module
 from autoshard.runtime.module import DistributedModule, _register
@@ -48,10 +48,11 @@ from autoshard.runtime.module import DistributedModule, _register
 
 def stage_layers(plan: PipelinePlan) -> list[int]:
     """Layers of each of the p x v stage programs, in model order: rank r's n_r layers in v
-    near-even chunks, program j = k p + r its chunk k (torch's loop order)."""
+    near-even chunks, program j = k p + r' its chunk k, r' = r in torch's loop order, or
+    p - 1 - r for odd k under ZB-V (``program_rank``)."""
     p, v = plan.stages, plan.virtual
     chunks = [[n // v + (k < n % v) for k in range(v)] for n in plan.layers]
-    return [chunks[j % p][j // p] for j in range(p * v)]
+    return [chunks[program_rank(plan.schedule, j, p)][j // p] for j in range(p * v)]
 
 
 def _cut(model: nn.Module, counts: list[int], example_inputs, policy: MixedPrecision | None = None):
@@ -324,7 +325,9 @@ class PipelineModule(nn.Module):
         self.__dict__["_schedule"].step(*first, target=torch.zeros(m), losses=losses)
         group = self.__dict__["_pp_group"]
         loss = torch.stack([x.detach() for x in losses]).mean() if losses else self.__dict__["_loss_like"].clone()
-        dist.broadcast(loss, group=group, group_src=dist.get_world_size(group) - 1)
+        plan = self.plan   # from the rank of the last program
+        dist.broadcast(loss, group=group, group_src=program_rank(plan.schedule, plan.stages * plan.virtual - 1,
+                                                                 plan.stages))
         return loss
 
     def forward(self, *args, **kwargs):
@@ -416,7 +419,7 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     """This rank's :class:`PipelineModule` running ``plan`` (from
     :func:`~autoshard.planning.pipeline.plan_pipeline`) on ``cluster``; every rank calls it."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
     from autoshard.build import build
     from autoshard.planning.driver import prepare, solve, trace
@@ -457,10 +460,10 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     route = _Route(wiring, [sum(1 for i, _ in values if i == j) for j in range(len(counts))])
     mesh, pp = _mesh(cluster, p, device.type)
     coordinate = mesh.get_coordinate()[0]
-    mine = [j for j in range(p * v) if j % p == coordinate]
+    mine = [j for j in range(p * v) if program_rank(plan.schedule, j, p) == coordinate]
 
     def hold(j):
-        return held(plan.schedule, p, m, j % p, v)
+        return held(plan.schedule, p, m, program_rank(plan.schedule, j, p), v)
 
     traces: dict[int, tuple] = {}
 
@@ -506,7 +509,7 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
               for c in range(p)] if sub.size() > 1 else [None] * p
     hand = _Hand(groups[coordinate], place, sub.size())
     stages, pipeline_stages = [], []
-    zero_bubble = plan.schedule == "zero-bubble"
+    zero_bubble = plan.schedule in ("zero-bubble", "zero-bubble-v")
     for j in mine:
         program = pipe.get_stage_module(j)
         traced, _, _ = prepared(j)
@@ -530,7 +533,8 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
         return output.sum()
 
     if zero_bubble:
-        schedule = ScheduleInterleavedZeroBubble(pipeline_stages, m, loss_fn=loss_fn)
+        kind = ScheduleZBVZeroBubble if plan.schedule == "zero-bubble-v" else ScheduleInterleavedZeroBubble
+        schedule = kind(pipeline_stages, m, loss_fn=loss_fn)
     elif plan.schedule == "interleaved":
         schedule = ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=loss_fn)
     else:
