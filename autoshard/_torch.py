@@ -514,6 +514,12 @@ def _views_of(node: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
+# torch 2.11's schedules open each stage's links with a send to every neighbour stage's rank, and
+# a V-shaped schedule's two middle programs are on one rank: gloo cannot send to its own rank
+# ("Pair is not connected"). 2.13 opens them without that send.
+RUNS_V_SCHEDULES = RELEASE >= (2, 13)
+
+
 def zero_bubble_order(stages: int, micro_batches: int, virtual: int, v_shape: bool = False
                       ) -> dict[int, list[tuple[str, int, int]]]:
     """The per-rank order of tasks of torch's ``ScheduleInterleavedZeroBubble`` (``v_shape``:

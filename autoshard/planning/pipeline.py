@@ -536,6 +536,9 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
                     if v > 1 and (m % p or n_layers < p * v):
                         tried[key], why[key] = None, f"{schedule} needs m divisible by p and at least {p * v} layers"
                         continue
+                    if schedule == "zero-bubble-v" and not _torch.RUNS_V_SCHEDULES:
+                        tried[key], why[key] = None, f"zero-bubble-v runs from torch 2.13 on, not {torch.__version__}"
+                        continue
                     if schedule == "zero-bubble" and m % max(1, m // p):   # torch's rounds of micro-batches
                         tried[key], why[key] = None, f"zero-bubble needs m a multiple of its {m // p} rounds (m // p)"
                         continue

@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from autoshard import _torch
 from autoshard.cluster import Cluster
-from autoshard.errors import ConstraintError, PlanError, PlanMismatchError, RuntimeMismatchError, TraceError
+from autoshard.errors import (ConstraintError, PlanError, PlanMismatchError, RuntimeMismatchError, TraceError,
+                              UnsupportedTorchError)
 from autoshard.planning.pipeline import PipelinePlan, held, micro_batch, program_rank, repeated_module, stage_cluster
 from autoshard.planning.plan import Plan
 from autoshard.precision import MixedPrecision, cast_module
@@ -439,6 +440,10 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
     if plan.mixed_precision != policy:   # alike on every rank (checked above): every rank raises
         raise PlanMismatchError(f"the pipeline plan was made for mixed_precision {plan.mixed_precision or 'none'}, "
                                 f"not {policy or 'none'}: compile with the policy it was planned under, or re-plan")
+    if plan.schedule == "zero-bubble-v" and not _torch.RUNS_V_SCHEDULES:   # alike on every rank
+        raise UnsupportedTorchError(f"the ZB-V schedule runs under torch 2.13 or later (torch {torch.__version__}'s "
+                                    "puts its two middle programs' links through gloo to the same rank); plan with "
+                                    "schedules=('zero-bubble', ...), or upgrade torch")
     if plan.mesh_shape is not None and tuple(plan.mesh_shape) != tuple(cluster.mesh_shape) \
             and math.prod(plan.mesh_shape) == cluster.world_size:
         # stages cut a logical mesh of the same devices (plan_pipeline's meshes): run on that grid
