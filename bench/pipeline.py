@@ -5,7 +5,8 @@ FSDP x TP x PP 8 (``fsdp_tp_pp``, with and without full recompute), the free pla
 stages on the cluster's mesh, and the FSDP and TP x FSDP baselines without stages (each with
 and without full recompute), with every planning time. Predicted figures (the cost model's), bf16, all on meta tensors. Writes bench/out/pipeline.json.
 
-    .venv/bin/python bench/pipeline.py [--cases 70b-h100x16 70b-perlmutter64 405b-h100x64 0.5b-h100x4-10gbe]
+    .venv/bin/python bench/pipeline.py [--cases 70b-h100x16 70b-perlmutter64 405b-h100x64 0.5b-h100x4-10gbe
+                                       70b-h100x16-10gbe]
                                        [--seq 4096] [--stages 2 4 8 16] [--time-limit 60]
                                        [--meshes auto-2d]
 
@@ -36,6 +37,8 @@ CASES = {  # name: (model, preset, nodes, global batch)
     "405b-h100x64": ("405b", "dgx-h100", 64, 512),
     # a small model on nodes joined by 10 Gb Ethernet: what stages are for
     "0.5b-h100x4-10gbe": ("0.5b", "dgx-h100-10gbe", 4, 8),
+    # a model whose training state does not fit one node, on those nodes
+    "70b-h100x16-10gbe": ("70b", "dgx-h100-10gbe", 16, 128),
 }
 
 
