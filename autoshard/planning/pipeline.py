@@ -575,11 +575,11 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
     return best
 
 
-def _stage_plan(model, inputs, stage: Cluster, k: int, m: int, hold: list[float], head: int, limit: float,
-                options: dict):
+def _stage_plan(model, inputs, stage: Cluster, k: int, m: int, hold: list[float], limit: float, options: dict,
+                head: int = -1):
     """The intra-op plan of the model cut to ``k`` layers, at one micro-batch, on the stage's
     devices, for ``m`` micro-batches per step with ``hold[s]`` of them in flight on stage s: the
-    most for the layers and embeddings, stage ``head``'s for the head."""
+    most for the layers and embeddings, stage ``head``'s for the head (the last stage's by default)."""
     from autoshard.planning.driver import prepare, solve, trace
     from autoshard.planning.pricing import price
     from autoshard.planning.roles import allow_for
@@ -602,7 +602,7 @@ def _price(model, inputs, cluster: Cluster, stage: Cluster, p, m, schedule, v, n
     while True:   # solve for k layers; again with more if balancing gave a stage more
         key = (stage.to_json(), options["roles"], m, max(hold), hold[head], k)   # grids can share a stage
         if key not in solves:
-            solves[key] = _stage_plan(model, inputs, stage, k, m, hold, head, limit, options)
+            solves[key] = _stage_plan(model, inputs, stage, k, m, hold, limit, options, head)
         traced, sp = solves[key]
         split = split_times(sp, k)
         counts = balance(n_layers, p, split.layer[0], split.pre[0], split.post[0], least=v, head=head)
