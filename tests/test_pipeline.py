@@ -397,7 +397,8 @@ RUNS = {"1f1b-fsdp": ("llama", "1f1b", ("dp", "fsdp"), True),
         "1f1b-free-bf16": ("llama-bf16", "1f1b", None, False),
         "zero-bubble-free": ("llama", "zero-bubble", None, False),
         # torch 2.11 cannot run ZB-V on gloo (autoshard/_torch.py: RUNS_V_SCHEDULES): refused in planning
-        **({"zero-bubble-v-fsdp": ("llama", "zero-bubble-v", ("dp", "fsdp"), False)} if _torch.RUNS_V_SCHEDULES else {})}
+        **({"zero-bubble-v-fsdp": ("llama", "zero-bubble-v", ("dp", "fsdp"), False)}
+           if _torch.RUNS_V_SCHEDULES else {})}
 
 
 @pytest.fixture(scope="module")

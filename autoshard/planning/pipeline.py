@@ -122,9 +122,8 @@ def program_rank(schedule: str, program: int, stages: int) -> int:
 def zero_bubble_idle(stages: int, micro_batches: int, virtual: int, forward: float, inputs: float,
                      weights: float, v_shape: bool = False) -> float:
     """Idle time of the slowest rank's step under torch's interleaved zero-bubble schedule (or
-    ZB-V, ``v_shape``), each
-    rank running its own order of tasks (``_torch.zero_bubble_order``) as soon as their inputs
-    exist: the makespan less the rank's m v tasks of each kind. ``forward``, ``inputs``,
+    ZB-V, ``v_shape``), each rank running its own order of tasks (``_torch.zero_bubble_order``)
+    as soon as their inputs exist: the makespan less the rank's m v tasks of each kind. ``forward``, ``inputs``,
     ``weights``: one micro-batch's forward, input-gradient and weight-gradient time through all
     of a rank's layers (a program's is 1/v of it). F(j, i) follows F(j - 1, i); I(j, i) follows
     I(j + 1, i) (the last program: its own F); W(j, i) follows I(j, i)."""
@@ -531,7 +530,7 @@ def plan_pipeline(model, cluster: Cluster, example_inputs, *, stages=None, micro
             for m in m_list:
                 inputs = micro_batch(example_inputs, m)
                 for schedule in schedules:
-                    v = 2 if schedule == "zero-bubble-v" else virtual if schedule in ("interleaved", "zero-bubble") else 1
+                    v = {"interleaved": virtual, "zero-bubble": virtual, "zero-bubble-v": 2}.get(schedule, 1)
                     key = f"{prefix}pp{p} m{m} {schedule}{f' v{v}' if v > 1 else ''}"
                     if v > 1 and (m % p or n_layers < p * v):
                         tried[key], why[key] = None, f"{schedule} needs m divisible by p and at least {p * v} layers"

@@ -6,7 +6,8 @@ The model is cut into p x v stage programs at the first layer of each stage
 parameter's name). Rank coordinates: the outer dim of N of the plan's mesh (the cluster's, or the
 logical grid it was planned on) becomes (p, N/p); stage program j runs
 on the ranks of pipeline coordinate j mod p (torch's loop order: interleaved gives each rank v of
-them; under ZB-V a V, rank r runs programs r and 2p - 1 - r), on a sub-mesh of N/p x the inner dims. Each stage program is planned once, by one rank of
+them; under ZB-V a V, rank r runs programs r and 2p - 1 - r), on a sub-mesh of N/p x the inner
+dims. Each stage program is planned once, by one rank of
 its stage (the stages in parallel, the plans then all-gathered), by the ILP on that sub-mesh (its held micro-batches from the schedule, its gradients accumulated over the m
 micro-batches) and built as a :class:`~autoshard.runtime.module.DistributedModule`: DTensor
 parameters (plain tensors on a stage of one device) under the model's names, gradients reduced
@@ -532,7 +533,8 @@ def build_pipeline(model: nn.Module, cluster: Cluster, example_inputs, plan: Pip
         pipeline_stages.append(PipelineStage(
             wrapped, j, p * v, device,
             input_args=tuple(_meta(a, False) for a in received) if j == 0 else tuple(hand.meta(a) for a in received),
-            output_args=tuple(outs), group=mesh.get_group(pp), dw_builder=wrapped.weights_later if zero_bubble else None))
+            output_args=tuple(outs), group=mesh.get_group(pp),
+            dw_builder=wrapped.weights_later if zero_bubble else None))
 
     def loss_fn(output, target):   # the last program's output is the model's loss already
         return output.sum()
