@@ -8,6 +8,7 @@ feature; a branch by version names the version it serves.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import warnings
@@ -520,8 +521,9 @@ def _views_of(node: torch.fx.Node) -> list[torch.fx.Node]:
 RUNS_V_SCHEDULES = RELEASE >= (2, 13)
 
 
+@functools.lru_cache(maxsize=64)   # asked once per stage and once more per candidate priced
 def zero_bubble_order(stages: int, micro_batches: int, virtual: int, v_shape: bool = False
-                      ) -> dict[int, list[tuple[str, int, int]]]:
+                      ) -> dict[int, tuple[tuple[str, int, int], ...]]:
     """The per-rank order of tasks of torch's ``ScheduleInterleavedZeroBubble`` (``v_shape``:
     ``ScheduleZBVZeroBubble``, two programs per rank) for ``stages`` ranks of ``virtual`` programs
     each and ``micro_batches``: per rank, ("F" | "I" | "W", program, micro-batch) in the order the
@@ -538,5 +540,5 @@ def zero_bubble_order(stages: int, micro_batches: int, virtual: int, v_shape: bo
     s.microbatches_per_round = micro_batches // s.number_of_rounds
     kind = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "I",
             _ComputationType.BACKWARD_WEIGHT: "W"}
-    return {r: [(kind[a.computation_type], a.stage_index, a.microbatch_index)
-                for a in s._calculate_single_rank_operations(r) if a is not None] for r in range(stages)}
+    return {r: tuple((kind[a.computation_type], a.stage_index, a.microbatch_index)
+                     for a in s._calculate_single_rank_operations(r) if a is not None) for r in range(stages)}
